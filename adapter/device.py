@@ -1,0 +1,207 @@
+"""The one place that knows the device: device-neutral calls for cpu, cuda and npu.
+
+The adapter's own code calls these, and megatron modules reach them too: in each megatron module on the
+training path, the name ``torch`` is rebound to a view of torch whose ``cuda`` attribute is this module
+(see ``adapter.torch_view``). So ``torch.cuda.current_device()`` written in megatron lands here, and from
+here on torch.cuda, torch.npu or the CPU, while ``torch.cuda`` itself stays untouched for every other
+library in the process.
+
+CPU semantics, chosen so megatron's device code runs unchanged on CPU:
+- ``current_device()`` is ``torch.device("cpu")``: factories and ``.to()`` accept it where megatron passes
+  ``device=torch.cuda.current_device()`` (an integer would name an accelerator that is not there);
+- the RNG is the CPU default generator, since dropout on CPU draws from it;
+- synchronize is a no-op, memory counters read 0 (the CPU allocator keeps no such statistics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import types
+
+import torch
+
+from adapter import backend as _backend
+
+
+def _accel():
+    """The backend's torch device module, or None on CPU."""
+    b = _backend.current()
+    return b.torch_module if b.is_accelerator else None
+
+
+def is_available() -> bool:
+    """Whether an accelerator backs this process (False on cpu), as megatron asks torch.cuda."""
+    return _backend.current().is_accelerator
+
+
+def device_count() -> int:
+    accel = _accel()
+    return accel.device_count() if accel else 1
+
+
+def current_device():
+    """The int index on cuda/npu; ``torch.device('cpu')`` on cpu (see the module docstring)."""
+    accel = _accel()
+    return accel.current_device() if accel else torch.device("cpu")
+
+
+def torch_device(index: int | None = None) -> torch.device:
+    """A ``torch.device`` for the current (or given) device of this backend."""
+    accel = _accel()
+    if accel is None:
+        return torch.device("cpu")
+    return torch.device(_backend.current().device_type,
+                        accel.current_device() if index is None else index)
+
+
+def set_device(device) -> None:
+    accel = _accel()
+    if accel:
+        accel.set_device(device)
+
+
+def synchronize(device=None) -> None:
+    accel = _accel()
+    if accel:
+        accel.synchronize(device)
+
+
+# ---------------------------------------------------------------- RNG of the device
+def get_rng_state(device=None) -> torch.Tensor:
+    accel = _accel()
+    return accel.get_rng_state() if accel else torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device=None) -> None:
+    accel = _accel()
+    if accel:
+        accel.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def manual_seed(seed: int) -> None:
+    accel = _accel()
+    if accel:
+        accel.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+def manual_seed_all(seed: int) -> None:
+    accel = _accel()
+    if accel:
+        accel.manual_seed_all(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+def initial_seed() -> int:
+    accel = _accel()
+    return accel.initial_seed() if accel else torch.initial_seed()
+
+
+random = types.SimpleNamespace(get_rng_state=get_rng_state, set_rng_state=set_rng_state,
+                               manual_seed=manual_seed, manual_seed_all=manual_seed_all,
+                               initial_seed=initial_seed)
+
+
+# ---------------------------------------------------------------- memory
+def _memory_counter(name: str):
+    def counter(device=None):
+        accel = _accel()
+        return getattr(accel, name)(device) if accel else 0
+    counter.__name__ = name
+    return counter
+
+
+memory_allocated = _memory_counter("memory_allocated")
+max_memory_allocated = _memory_counter("max_memory_allocated")
+memory_reserved = _memory_counter("memory_reserved")
+max_memory_reserved = _memory_counter("max_memory_reserved")
+
+
+def memory_stats(device=None) -> dict:
+    accel = _accel()
+    return accel.memory_stats(device) if accel else {}
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    accel = _accel()
+    if accel:
+        accel.reset_peak_memory_stats(device)
+
+
+OutOfMemoryError = torch.OutOfMemoryError
+
+
+def empty_cache() -> None:
+    accel = _accel()
+    if accel:
+        accel.empty_cache()
+
+
+# ---------------------------------------------------------------- streams, events, ranges
+class _CpuEvent(torch.cpu.Event):
+    """torch.cpu.Event with the timing that megatron's timers expect of a device event."""
+
+    def __init__(self, enable_timing: bool = False, **_ignored):
+        super().__init__()
+        self._stamp = None
+
+    def record(self, stream=None):
+        self._stamp = time.perf_counter()
+
+    def elapsed_time(self, end: "_CpuEvent") -> float:
+        return (end._stamp - self._stamp) * 1000.0
+
+
+def _device_attr(name: str):
+    accel = _accel()
+    return getattr(accel if accel else torch.cpu, name)
+
+
+def Stream(*args, **kwargs):  # noqa: N802 - mirrors torch.cuda.Stream
+    return _device_attr("Stream")(**({} if _accel() is None else kwargs))
+
+
+def Event(*args, **kwargs):  # noqa: N802 - mirrors torch.cuda.Event
+    return _CpuEvent(*args, **kwargs) if _accel() is None else _accel().Event(*args, **kwargs)
+
+
+def current_stream(device=None):
+    return _device_attr("current_stream")()
+
+
+def default_stream(device=None):
+    accel = _accel()
+    return accel.default_stream(device) if accel else torch.cpu.current_stream()
+
+
+def stream(s):
+    return _device_attr("stream")(s)
+
+
+def device(index):
+    """Context manager selecting a device index; nothing to select on CPU."""
+    accel = _accel()
+    return accel.device(index) if accel else contextlib.nullcontext()
+
+
+_NO_NVTX = types.SimpleNamespace(range_push=lambda msg: None, range_pop=lambda: None,
+                                 range=lambda *a, **k: contextlib.nullcontext(),
+                                 mark=lambda msg: None)
+
+
+def __getattr__(name: str):
+    """Anything not routed above: take it from the backend's own device module where it exists."""
+    accel = _accel()
+    source = accel if accel is not None else torch.cpu
+    if name == "nvtx" and not hasattr(source, "nvtx"):
+        return _NO_NVTX  # profiler ranges: nothing to mark without NVTX
+    if name.startswith("__") or not hasattr(source, name):
+        raise AttributeError(
+            f"megatron asked torch.cuda.{name}, which the adapter does not provide on the "
+            f"{_backend.current().name} backend. Please report it with `python -m adapter`'s output.")
+    return getattr(source, name)

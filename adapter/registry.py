@@ -1,0 +1,305 @@
+"""The patch registry: every change the adapter makes to megatron-core goes through here.
+
+A patch names its target as ``"package.module:Owner.attr"``. The colon marks where the module ends, so
+the registry can hook the module before it is imported (``import adapter`` comes before megatron)
+without importing anything to find out which prefix is a module. Each patch carries a one-line reason,
+the backends it applies to and the megatron-core versions it was checked against.
+
+Guarantees, each covered by tests/test_registry.py:
+- applying twice changes nothing; ``revert()`` puts back the very objects that were there;
+- copies bound by value elsewhere (``from x import f``) are rebound, and restored on revert;
+- wrappers stack on the replacement (or the original) in registration order, first registered innermost;
+- two replacements of one target, or a target the installed megatron-core lacks, are clear errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import os
+import sys
+import threading
+from typing import Any, Callable, Iterable
+
+import wrapt
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+ALL_BACKENDS = frozenset({"cpu", "cuda", "npu"})
+ALLOW_UNTESTED_ENV = "ADAPTER_ALLOW_UNTESTED_MEGATRON"
+
+
+class PatchError(RuntimeError):
+    """A patch cannot be registered or applied as declared."""
+
+
+class PatchTargetError(PatchError):
+    """The target does not exist in the installed megatron-core."""
+
+
+class PatchVersionError(PatchError):
+    """The installed megatron-core is outside the versions a patch was checked against."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    target: str
+    new: Any
+    reason: str
+    kind: str  # "replace" or "wrap"
+    backends: frozenset
+    versions: str
+    optional: bool = False
+    rebind_copies: bool = True
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def attr_path(self) -> list[str]:
+        return self.target.partition(":")[2].split(".")
+
+
+@dataclasses.dataclass
+class _Applied:
+    """What one target looked like before patching, so revert can restore it exactly."""
+
+    owner: Any
+    name: str
+    had_own: bool  # the owner held the attribute itself (not inherited)
+    original_raw: Any  # as stored in the owner's __dict__ (keeps classmethod/staticmethod wrappers)
+    original: Any  # as seen through getattr: what by-value copies elsewhere would hold
+    installed_raw: Any
+    copies: list  # (module_dict, key) pairs rebound from original to the patched value
+
+
+def _descriptor_kind(raw: Any) -> type | None:
+    return type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+
+
+class PatchRegistry:
+    def __init__(self, backend: Callable[[], str], megatron_version: Callable[[], str] | None = None,
+                 copy_scope: tuple[str, ...] = ("megatron",)):
+        """``copy_scope``: the top-level packages whose modules are searched for by-value copies."""
+        self._backend = backend
+        self._copy_scope = copy_scope
+        self._megatron_version = megatron_version or _installed_megatron_core_version
+        self._patches: dict[str, list[Patch]] = {}
+        self._applied: dict[str, _Applied] = {}
+        self._skipped: dict[str, str] = {}
+        self._errors: dict[str, str] = {}
+        self._hooked: set[str] = set()
+        self._active = False
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ registration
+    def replace(self, target: str, new: Any, *, reason: str, versions: str,
+                backends: Iterable[str] = ALL_BACKENDS, optional: bool = False,
+                rebind_copies: bool = True) -> None:
+        """Register ``new`` to stand in for ``target``. For a classmethod/staticmethod target give the
+        plain function: the registry keeps the original descriptor kind."""
+        self._register(Patch(target, new, reason, "replace", frozenset(backends), versions,
+                             optional, rebind_copies))
+
+    def wrap(self, target: str, wrapper: Callable[[Any], Any], *, reason: str, versions: str,
+             backends: Iterable[str] = ALL_BACKENDS, optional: bool = False) -> None:
+        """Register ``wrapper(fn) -> fn`` around ``target`` (around its replacement, if there is one)."""
+        self._register(Patch(target, wrapper, reason, "wrap", frozenset(backends), versions, optional))
+
+    def _register(self, patch: Patch) -> None:
+        module, sep, attrs = patch.target.partition(":")
+        if not sep or not module or not attrs or not all(attrs.split(".")):
+            raise PatchError(
+                f"patch target {patch.target!r} must read 'package.module:Attr[.attr]', "
+                "with a colon where the module path ends")
+        if not patch.reason.strip() or "\n" in patch.reason.strip():
+            raise PatchError(f"patch {patch.target}: give a one-line reason")
+        unknown = patch.backends - ALL_BACKENDS
+        if unknown or not patch.backends:
+            raise PatchError(f"patch {patch.target}: backends {sorted(patch.backends)} must be a "
+                             f"non-empty subset of {sorted(ALL_BACKENDS)}")
+        try:
+            SpecifierSet(patch.versions)
+        except InvalidSpecifier as exc:
+            raise PatchError(f"patch {patch.target}: versions {patch.versions!r} is not a version "
+                             "specifier such as '>=0.16.0,<0.17'") from exc
+        with self._lock:
+            stack = self._patches.setdefault(patch.target, [])
+            if patch.kind == "replace":
+                for other in stack:
+                    if other.kind == "replace" and other.backends & patch.backends:
+                        raise PatchError(
+                            f"two replacements registered for {patch.target} on backends "
+                            f"{sorted(other.backends & patch.backends)}: '{other.reason}' and "
+                            f"'{patch.reason}'. Make one of them a wrapper, or drop one.")
+            if patch.target in self._applied:
+                raise PatchError(f"{patch.target} is already patched: register before apply(), "
+                                 "or revert() first")
+            stack.append(patch)
+            if self._active:
+                self._hook(patch.module)
+
+    # ------------------------------------------------------------------ inspection
+    def patches(self) -> list[Patch]:
+        return [p for stack in self._patches.values() for p in stack]
+
+    def status(self, target: str) -> str:
+        """'applied', 'pending' (module not imported yet), 'not for <backend>', 'skipped: ...' or 'error: ...'."""
+        if target in self._applied:
+            return "applied"
+        if target in self._errors:
+            return "error: " + self._errors[target]
+        if target in self._skipped:
+            return "skipped: " + self._skipped[target]
+        if not self._active_stack(target):
+            return f"not for {self._backend()}"
+        return "pending"
+
+    def applied(self, target: str) -> bool:
+        return target in self._applied
+
+    # ------------------------------------------------------------------ apply / revert
+    def apply(self, strict: bool = True) -> None:
+        """Patch every target whose module is imported now, and hook the rest to be patched on import.
+
+        With ``strict=False`` failures are recorded (see ``status``) instead of raised, which is what
+        the environment report wants."""
+        with self._lock:
+            self._active = True
+            self._strict = strict
+            for module in sorted({p.module for p in self.patches()}):
+                self._hook(module)
+
+    def revert(self) -> None:
+        """Restore every patched object, copies included, and disarm the import hooks."""
+        with self._lock:
+            self._active = False
+            for target in reversed(list(self._applied)):
+                self._restore(self._applied.pop(target))
+            self._skipped.clear()
+            self._errors.clear()
+
+    def _hook(self, module: str) -> None:
+        if module in self._hooked:
+            if module in sys.modules:
+                self._on_import(sys.modules[module])
+            return
+        self._hooked.add(module)
+        # wrapt calls the hook at once when the module is already imported.
+        wrapt.register_post_import_hook(self._on_import, module)
+
+    def _on_import(self, module) -> None:
+        with self._lock:
+            if not self._active:
+                return
+            batch: dict[int, Any] = {}
+            applied_now: list[_Applied] = []
+            for target, stack in self._patches.items():
+                if stack[0].module != module.__name__ or target in self._applied:
+                    continue
+                if target in self._skipped or target in self._errors:
+                    continue
+                active = self._active_stack(target)
+                if not active:
+                    continue
+                try:
+                    record = self._apply_one(module, target, active)
+                except PatchError as exc:
+                    if all(p.optional for p in active):
+                        self._skipped[target] = str(exc)
+                        continue
+                    self._errors[target] = str(exc)
+                    if self._strict:
+                        raise
+                    continue
+                applied_now.append(record)
+                if all(p.rebind_copies for p in active):
+                    batch[id(record.original)] = (record, getattr(record.owner, record.name))
+            if batch:
+                self._rebind_copies(batch)
+
+    def _active_stack(self, target: str) -> list[Patch]:
+        backend = self._backend()
+        return [p for p in self._patches.get(target, ()) if backend in p.backends]
+
+    def _apply_one(self, module, target: str, stack: list[Patch]) -> _Applied:
+        version = self._megatron_version()
+        for patch in stack:
+            if not _version_allowed(version, patch.versions):
+                message = (f"patch {target} was checked against megatron-core {patch.versions}, but "
+                           f"megatron-core {version} is installed. Install a checked version "
+                           f"(pip install 'megatron-core{patch.versions}'), or set "
+                           f"{ALLOW_UNTESTED_ENV}=1 to try it anyway.")
+                if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+                    raise PatchVersionError(message)
+        owner = module
+        *path, name = stack[0].attr_path
+        for part in path:
+            if not hasattr(owner, part):
+                raise PatchTargetError(
+                    f"patch target {target}: {module.__name__} has no {'.'.join(path)} in the installed "
+                    f"megatron-core {version}. The adapter needs a megatron-core it was checked against.")
+            owner = getattr(owner, part)
+        own = vars(owner) if hasattr(owner, "__dict__") else {}
+        had_own = name in own
+        if not had_own and not hasattr(owner, name):
+            raise PatchTargetError(
+                f"patch target {target}: {name} does not exist in the installed megatron-core {version}. "
+                "The adapter needs a megatron-core it was checked against.")
+        original_raw = own[name] if had_own else getattr(owner, name)
+        original = getattr(owner, name)
+        descriptor = _descriptor_kind(original_raw)
+        current = original_raw.__func__ if descriptor else original_raw
+        for patch in (p for p in stack if p.kind == "replace"):
+            current = patch.new
+        for patch in (p for p in stack if p.kind == "wrap"):
+            current = patch.new(current)
+        installed = descriptor(current) if descriptor else current
+        setattr(owner, name, installed)
+        record = _Applied(owner, name, had_own, original_raw, original, installed, [])
+        self._applied[target] = record
+        return record
+
+    def _rebind_copies(self, batch: dict[int, Any]) -> None:
+        """Rebind names that megatron modules bound by value to an object this batch patched."""
+        for mod_name, mod in list(sys.modules.items()):
+            if mod is None or mod_name.partition(".")[0] not in self._copy_scope:
+                continue
+            namespace = getattr(mod, "__dict__", None)
+            if not namespace:
+                continue
+            for key, value in list(namespace.items()):
+                hit = batch.get(id(value))
+                if hit is None:
+                    continue
+                record, patched = hit
+                if value is not record.original or (namespace is vars(record.owner)
+                                                     and key == record.name):
+                    continue
+                namespace[key] = patched
+                record.copies.append((namespace, key))
+
+    @staticmethod
+    def _restore(record: _Applied) -> None:
+        for namespace, key in record.copies:
+            namespace[key] = record.original
+        if record.had_own:
+            setattr(record.owner, record.name, record.original_raw)
+        else:
+            delattr(record.owner, record.name)
+
+
+def _version_allowed(version: str, spec: str) -> bool:
+    return Version(version) in SpecifierSet(spec, prereleases=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_megatron_core_version() -> str:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        # A Megatron-LM checkout on PYTHONPATH: its package_info is the authority.
+        return importlib.import_module("megatron.core.package_info").__version__

@@ -1,0 +1,1 @@
+"""Model specs: named GPT and Qwen configurations built as megatron-core GPTModels."""

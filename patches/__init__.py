@@ -1,0 +1,13 @@
+"""The adapter's patch table for megatron-core: every change it makes, with the reason for each.
+
+Each submodule registers one concern. ``python -m adapter`` prints the table with each patch's status.
+"""
+
+from patches import cuda_sites, process_groups, rng, tensor_methods
+
+CHECKED_MEGATRON_CORE = "==0.16.1"
+
+
+def register_all(registry) -> None:
+    for concern in (cuda_sites, rng, tensor_methods, process_groups):
+        concern.register(registry, CHECKED_MEGATRON_CORE)

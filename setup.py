@@ -1,0 +1,38 @@
+"""Packaging for the megatron-core device adapter.
+
+Install torch first (`pip install torch==2.13.0`); otherwise pip resolves torch itself and may pull a
+multi-GB CUDA build. NVIDIA apex and torch-npu are not installable by name here: the PyPI package named
+`apex` is an unrelated project, and the torch-npu wheel breaks `import torch` on machines without CANN.
+Both are detected at run time when present.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-device-adapter",
+    version="0.1.0",
+    description="Train with megatron-core, unchanged, on NVIDIA GPUs, Ascend NPUs and CPUs",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["adapter", "adapter.*", "patches", "patches.*", "models",
+                                    "models.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "wrapt>=1.14",
+        "packaging",
+        "sentencepiece",
+        "psutil",  # megatron's checkpoint writer needs it, without declaring it
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest>=7"],
+        # torch_npu must match torch and the installed CANN exactly: install Ascend's wheel for your
+        # torch by hand (pip install torch-npu==<torch version>) on NPU machines only.
+        "npu": ["pyyaml"],
+        # NVIDIA apex is built from source (github.com/NVIDIA/apex); Transformer Engine is optional.
+        "cuda": ["pyyaml"],
+    },
+)
