@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 
 import torch
@@ -99,17 +100,19 @@ def checked_initialize_model_parallel(initialize_model_parallel):
 
 
 def timeout_minutes(requested: float | None = None) -> float:
+    """The collective timeout in minutes: ``requested``, else $ADAPTER_DIST_TIMEOUT_MINUTES, else 30."""
     if requested is not None:
-        return float(requested)
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT_MINUTES
+        source, raw = "timeout", requested
+    else:
+        source, raw = TIMEOUT_ENV, os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_TIMEOUT_MINUTES
     try:
         value = float(raw)
-    except ValueError:
+    except (TypeError, ValueError):
         value = -1.0
-    if value <= 0:
-        raise ParallelConfigError(f"{TIMEOUT_ENV}={raw!r}: give the timeout as a positive number of "
+    if not math.isfinite(value) or value <= 0:  # nan / inf would fail later, inside timedelta
+        raise ParallelConfigError(f"{source}={raw!r}: give the timeout as a positive number of "
                                   "minutes, e.g. 30")
     return value
 

@@ -7,7 +7,8 @@ the backends it applies to and the megatron-core versions it was checked against
 
 Guarantees, each covered by tests/test_registry.py:
 - applying twice changes nothing; ``revert()`` puts back the very objects that were there;
-- copies bound by value elsewhere (``from x import f``) are rebound, and restored on revert;
+- copies bound by value elsewhere (``from x import f``) are rebound, and restored on revert, also
+  those taken while patched; not for shared immutables (None, small ints, strings: ``is`` proves nothing);
 - wrappers stack on the replacement (or the original) in registration order, first registered innermost;
 - two replacements of one target, or a target the installed megatron-core lacks, are clear errors.
 """
@@ -18,6 +19,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import inspect
 import os
 import sys
 import threading
@@ -74,6 +76,18 @@ class _Applied:
     original: Any  # as seen through getattr: what by-value copies elsewhere would hold
     installed_raw: Any
     copies: list  # (module_dict, key) pairs rebound from original to the patched value
+    patched: Any = None  # as seen through getattr after patching; set when copies are rebound
+    rebound: bool = False  # copies of the original were rebound, so revert looks for copies again
+
+
+# Objects the interpreter shares (None, small ints, interned strings, ...): a module global that `is`
+# one of them is not necessarily a copy of the target, so copies of these are never rebound.
+_SHARED_IMMUTABLES = frozenset({type(None), bool, int, float, complex, str, bytes, tuple, frozenset,
+                                type(Ellipsis), type(NotImplemented)})
+
+
+def _copies_traceable(value: Any) -> bool:
+    return type(value) not in _SHARED_IMMUTABLES
 
 
 def _descriptor_kind(raw: Any) -> type | None:
@@ -177,8 +191,12 @@ class PatchRegistry:
         """Restore every patched object, copies included, and disarm the import hooks."""
         with self._lock:
             self._active = False
-            for target in reversed(list(self._applied)):
-                self._restore(self._applied.pop(target))
+            records = [self._applied.pop(target) for target in reversed(list(self._applied))]
+            for record in records:
+                self._restore(record)
+            # copies taken while patched (modules imported after apply) go back to the original too
+            self._rebind_copies({id(r.patched): (r.patched, r.original, r) for r in records
+                                 if r.rebound and _copies_traceable(r.patched)}, record=False)
             self._skipped.clear()
             self._errors.clear()
 
@@ -216,8 +234,10 @@ class PatchRegistry:
                         raise
                     continue
                 applied_now.append(record)
-                if all(p.rebind_copies for p in active):
-                    batch[id(record.original)] = (record, getattr(record.owner, record.name))
+                if all(p.rebind_copies for p in active) and _copies_traceable(record.original):
+                    record.patched = getattr(record.owner, record.name)
+                    record.rebound = True
+                    batch[id(record.original)] = (record.original, record.patched, record)
             if batch:
                 self._rebind_copies(batch)
 
@@ -249,7 +269,12 @@ class PatchRegistry:
             raise PatchTargetError(
                 f"patch target {target}: {name} does not exist in the installed megatron-core {version}. "
                 "The adapter needs a megatron-core it was checked against.")
-        original_raw = own[name] if had_own else getattr(owner, name)
+        if had_own:
+            original_raw = own[name]
+        elif isinstance(owner, type):  # inherited: the base's raw entry keeps classmethod/staticmethod
+            original_raw = inspect.getattr_static(owner, name)
+        else:
+            original_raw = getattr(owner, name)
         original = getattr(owner, name)
         descriptor = _descriptor_kind(original_raw)
         current = original_raw.__func__ if descriptor else original_raw
@@ -263,8 +288,11 @@ class PatchRegistry:
         self._applied[target] = record
         return record
 
-    def _rebind_copies(self, batch: dict[int, Any]) -> None:
-        """Rebind names that megatron modules bound by value to an object this batch patched."""
+    def _rebind_copies(self, batch: dict[int, Any], record: bool = True) -> None:
+        """Rebind names that megatron modules bound by value: ``batch`` maps id(old) to
+        (old, new, applied record); ``record`` keeps the rebound names in the record for revert."""
+        if not batch:
+            return
         for mod_name, mod in list(sys.modules.items()):
             if mod is None or mod_name.partition(".")[0] not in self._copy_scope:
                 continue
@@ -275,12 +303,12 @@ class PatchRegistry:
                 hit = batch.get(id(value))
                 if hit is None:
                     continue
-                record, patched = hit
-                if value is not record.original or (namespace is vars(record.owner)
-                                                     and key == record.name):
+                old, new, applied = hit
+                if value is not old or (namespace is vars(applied.owner) and key == applied.name):
                     continue
-                namespace[key] = patched
-                record.copies.append((namespace, key))
+                namespace[key] = new
+                if record:
+                    applied.copies.append((namespace, key))
 
     @staticmethod
     def _restore(record: _Applied) -> None:

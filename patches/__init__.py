@@ -3,11 +3,11 @@
 Each submodule registers one concern. ``python -m adapter`` prints the table with each patch's status.
 """
 
-from patches import cuda_sites, process_groups, rng, tensor_methods
+from patches import cuda_sites, process_groups, rng, tensor_methods, torch_optimizers
 
 CHECKED_MEGATRON_CORE = "==0.16.1"
 
 
 def register_all(registry) -> None:
-    for concern in (cuda_sites, rng, tensor_methods, process_groups):
+    for concern in (cuda_sites, rng, tensor_methods, torch_optimizers, process_groups):
         concern.register(registry, CHECKED_MEGATRON_CORE)

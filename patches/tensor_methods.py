@@ -6,6 +6,8 @@ from adapter.torch_view import cuda_spelled_tensor_calls
 CUDA_SPELLED = {
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__":
         "dispatches on param.type() == 'torch.cuda.FloatTensor' (else TypeError)",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.get_parameter_state_dp_zero":
+        "gathers optimizer state for saving through send_tensor.cuda()",
     "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__":
         "dispatches on param.type() == 'torch.cuda.*Tensor' (else TypeError)",
     "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32":

@@ -1,0 +1,86 @@
+"""megatron-core's distributed optimizer over torch's own Adam (no apex, no Transformer Engine).
+
+That is every CPU run, NPU runs without apex, and CUDA runs without apex/TE, so it is patched on all
+backends.
+"""
+
+import functools
+import sys
+
+_MODULE = "megatron.core.optimizer.distrib_optimizer"
+_DISTRIB = f"{_MODULE}:DistributedOptimizer"
+
+
+def _torch_optimizer_inside() -> bool:
+    return not sys.modules[_MODULE].HAVE_APEX_OR_TE
+
+
+def state_dict_before_first_step(state_dict):
+    """Registry wrapper for ``DistributedOptimizer.state_dict``.
+
+    With torch's Adam, megatron reads the iteration from the per-parameter ``step`` states and asserts
+    there is exactly one; before the first step there are none, so building the state dict to *load*
+    a checkpoint into a new optimizer fails. With no state yet, the answer is step 0."""
+
+    @functools.wraps(state_dict)
+    def optimizer_state_dict(self):
+        if self.optimizer.state or not _torch_optimizer_inside():
+            return state_dict(self)
+        inner = self.optimizer.state_dict()
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "step": 0}
+                  for group in inner["param_groups"]]
+        result = {"optimizer": {"param_groups": groups}}
+        if self.grad_scaler:
+            result["grad_scaler"] = self.grad_scaler.state_dict()
+        return result
+
+    return optimizer_state_dict
+
+
+def unshared_steps_after_load(load_state_dict):
+    """Registry wrapper for ``DistributedOptimizer.load_state_dict``.
+
+    With torch's Adam, megatron gives every parameter's state the *same* ``step`` tensor; Adam adds 1
+    to each parameter's step in place, so after a resume one iteration would advance the shared step
+    once per parameter and skew Adam's bias correction. Each parameter gets its own copy."""
+
+    @functools.wraps(load_state_dict)
+    def load_optimizer_state_dict(self, state_dict):
+        result = load_state_dict(self, state_dict)
+        if _torch_optimizer_inside():
+            for state in self.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].clone()
+        return result
+
+    return load_optimizer_state_dict
+
+
+def keep_states_not_in_checkpoint(set_states):
+    """Registry wrapper for ``_set_main_param_and_optimizer_states``.
+
+    torch's Adam keeps a per-parameter ``step``; megatron restores it from the param groups in
+    ``load_state_dict`` and leaves it out of the per-parameter tensors it loads, but this setter copies
+    every key of the destination state and so raises KeyError('step'). Keys the checkpoint does not
+    carry keep their current (already restored) value."""
+
+    @functools.wraps(set_states)
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            current = self.optimizer.state[main_param]
+            tensors = {**{k: v for k, v in current.items() if k not in tensors}, **tensors}
+        return set_states(self, model_param, tensors)
+
+    return set_main_param_and_optimizer_states
+
+
+def register(registry, versions: str) -> None:
+    registry.wrap(f"{_DISTRIB}.state_dict", state_dict_before_first_step, versions=versions,
+                  reason="with torch's Adam, state_dict() asserts before the first step (no 'step' yet)")
+    registry.wrap(f"{_DISTRIB}.load_state_dict", unshared_steps_after_load, versions=versions,
+                  reason="with torch's Adam, loading shares one 'step' tensor that each param then bumps")
+    registry.wrap(f"{_DISTRIB}._set_main_param_and_optimizer_states", keep_states_not_in_checkpoint,
+                  versions=versions,
+                  reason="with torch's Adam, loading a fully_reshardable checkpoint raises KeyError('step')")

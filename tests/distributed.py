@@ -1,0 +1,81 @@
+"""Launch real gloo ranks for a test: fresh interpreters with torchrun's environment.
+
+``run_ranks(n, fn, *args)`` runs ``fn(*args)`` in n new Python processes (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT set as torchrun sets them) and returns each rank's return value. ``fn`` must be
+a module-level function of an importable module. A failing rank's stderr is raised in the test; a rank
+still running at the timeout is killed, so a broken collective fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world_size: int, fn, *args, env: dict | None = None, timeout: float = 600.0) -> list:
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        tmp = Path(tmp)
+        (tmp / "call.pkl").write_bytes(pickle.dumps((fn.__module__, fn.__qualname__, args)))
+        port = free_port()
+        procs = []
+        for rank in range(world_size):
+            rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            log = open(tmp / f"rank{rank}.log", "w")
+            procs.append((subprocess.Popen([sys.executable, "-m", "tests.distributed", str(tmp), str(rank)],
+                                           env=rank_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
+        deadline = time.monotonic() + timeout
+        failed = None
+        while any(p.poll() is None for p, _ in procs):
+            failed = next((r for r, (p, _) in enumerate(procs) if p.poll() not in (None, 0)), None)
+            if failed is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            log.close()
+        if failed is None:
+            failed = next((r for r, (p, _) in enumerate(procs) if p.returncode != 0), None)
+        if failed is not None:
+            tail = (tmp / f"rank{failed}.log").read_text()[-6000:]
+            timed_out = time.monotonic() > deadline
+            raise RankFailure(f"rank {failed} of {world_size} "
+                              f"{'timed out' if timed_out else 'failed'} running {fn.__qualname__}:\n{tail}")
+        return [pickle.loads((tmp / f"rank{r}.out").read_bytes()) for r in range(world_size)]
+
+
+def _main(tmp: str, rank: str) -> None:
+    import importlib
+
+    module, qualname, args = pickle.loads((Path(tmp) / "call.pkl").read_bytes())
+    fn = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part)
+    result = fn(*args)
+    (Path(tmp) / f"rank{rank}.out").write_bytes(pickle.dumps(result))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:3])
