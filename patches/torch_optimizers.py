@@ -56,13 +56,14 @@ def unshared_steps_after_load(load_state_dict):
     return load_optimizer_state_dict
 
 
-def keep_states_not_in_checkpoint(set_states):
+def step_from_param_groups(set_states):
     """Registry wrapper for ``_set_main_param_and_optimizer_states``.
 
-    torch's Adam keeps a per-parameter ``step``; megatron restores it from the param groups in
-    ``load_state_dict`` and leaves it out of the per-parameter tensors it loads, but this setter copies
-    every key of the destination state and so raises KeyError('step'). Keys the checkpoint does not
-    carry keep their current (already restored) value."""
+    torch's Adam keeps a per-parameter ``step``. Megatron restores it from the checkpoint's param
+    groups in ``load_state_dict`` and then copies the per-parameter tensors over the state, which goes
+    wrong both ways: the fully_reshardable loader leaves ``step`` out and this setter raises
+    KeyError('step'); the dp_reshardable loader passes the load template's ``step`` (0), so Adam's bias
+    correction silently restarts after every resume. ``step`` keeps the restored value."""
 
     @functools.wraps(set_states)
     def set_main_param_and_optimizer_states(self, model_param, tensors):
@@ -70,7 +71,8 @@ def keep_states_not_in_checkpoint(set_states):
             group_index, group_order = self.model_param_group_index_map[model_param]
             main_param = self.optimizer.param_groups[group_index]["params"][group_order]
             current = self.optimizer.state[main_param]
-            tensors = {**{k: v for k, v in current.items() if k not in tensors}, **tensors}
+            if "step" in current:
+                tensors = {**tensors, "step": current["step"]}
         return set_states(self, model_param, tensors)
 
     return set_main_param_and_optimizer_states
@@ -81,6 +83,6 @@ def register(registry, versions: str) -> None:
                   reason="with torch's Adam, state_dict() asserts before the first step (no 'step' yet)")
     registry.wrap(f"{_DISTRIB}.load_state_dict", unshared_steps_after_load, versions=versions,
                   reason="with torch's Adam, loading shares one 'step' tensor that each param then bumps")
-    registry.wrap(f"{_DISTRIB}._set_main_param_and_optimizer_states", keep_states_not_in_checkpoint,
+    registry.wrap(f"{_DISTRIB}._set_main_param_and_optimizer_states", step_from_param_groups,
                   versions=versions,
-                  reason="with torch's Adam, loading a fully_reshardable checkpoint raises KeyError('step')")
+                  reason="with torch's Adam, loading resets (dp_reshardable) or loses (fully_) 'step'")

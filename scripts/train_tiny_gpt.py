@@ -1,18 +1,22 @@
-"""Rank functions that train the tiny GPT through megatron-core's own machinery on the adapter.
+"""Train the tiny GPT with plain megatron-core code; ``import adapter`` is the only addition.
 
-Everything here is megatron-core as a user would write it (DDP, get_megatron_optimizer, the pipeline
-schedules, finalize_model_grads, dist_checkpointing); only ``import adapter`` comes first. The tests
-launch these with tests.distributed.run_ranks.
+    torchrun --nproc_per_node 2 scripts/train_tiny_gpt.py --tp 2
+    torchrun --nproc_per_node 4 scripts/train_tiny_gpt.py --tp 2 --pp 2 --distributed-optimizer
+
+Megatron-core as a user writes it: DDP with overlapped bucketed grad reduction, get_megatron_optimizer,
+the (interleaved) pipeline schedules and finalize_model_grads. The same code runs on CPU (gloo), CUDA
+(NCCL) and Ascend NPUs (HCCL). The tests train through these functions too.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 
 import adapter  # noqa: F401  - before megatron, as users do
 import torch
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -30,6 +34,7 @@ class Run:
     distributed_optimizer: bool = False
     ddp: bool = True
     steps: int = 10
+    bucket_size: int | None = 4096  # small, so DDP overlaps several buckets
     micro_batch: int = 2
     global_batch: int = 8
     lr: float = 1e-3
@@ -39,9 +44,14 @@ class Run:
 
 
 def setup(run: Run):
-    """Groups, seeds, model chunks (DDP-wrapped) and optimizer for ``run``."""
+    """Groups and seeds for ``run``, then its model chunks and optimizer (see ``build``)."""
     adapter.init_distributed()
     parallel_state.initialize_model_parallel(run.tp, run.pp, run.vpp)
+    return build(run)
+
+
+def build(run: Run):
+    """Seeded model chunks (DDP-wrapped) and optimizer for ``run`` on the groups that exist."""
     torch.manual_seed(run.seed)
     model_parallel_cuda_manual_seed(run.seed)
     flavor = FLAVORS[run.flavor]
@@ -51,7 +61,7 @@ def setup(run: Run):
     if run.ddp:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-            use_distributed_optimizer=run.distributed_optimizer, bucket_size=4096)
+            use_distributed_optimizer=run.distributed_optimizer, bucket_size=run.bucket_size)
         chunks = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
                   for i, chunk in enumerate(chunks)]
         config.no_sync_func = [chunk.no_sync for chunk in chunks]
@@ -129,98 +139,43 @@ def train(run: Run) -> dict:
         loss, norm = train_step(run, flavor, chunks, optimizer, step)
         losses.append(loss)
         norms.append(norm)
-    return {"rank": torch.distributed.get_rank(), "losses": losses, "grad_norms": norms,
-            "optimizer_state_bytes": optimizer_state_bytes(optimizer),
-            "dp_size": parallel_state.get_data_parallel_world_size()}
+    result = {"rank": torch.distributed.get_rank(), "losses": losses, "grad_norms": norms,
+              "optimizer_state_bytes": optimizer_state_bytes(optimizer),
+              "dp_size": parallel_state.get_data_parallel_world_size()}
+    finish()
+    return result
 
 
-def _sharded_state(chunks, optimizer, is_loading: bool = False):
-    model = chunks[0].module if hasattr(chunks[0], "module") else chunks[0]
-    model_state = model.sharded_state_dict()
-    # The format that can be loaded at another TP/PP/DP (the default in 0.16.1 cannot be saved at all).
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
-    return {"model": model_state,
-            "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading,
-                                                      metadata=metadata)}
-
-
-def _snapshot(chunks, optimizer) -> dict:
-    params = {name: p.detach().clone() for name, p in chunks[0].named_parameters()}
-    # The torch optimizers inside megatron's wrappers hold Adam's moments and steps.
-    inner = [opt.optimizer.state_dict() for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
-    return {"params": params, "optimizer": _clone_tensors(inner)}
-
-
-def _clone_tensors(value):
-    if torch.is_tensor(value):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone_tensors(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone_tensors(v) for v in value)
-    return value
-
-
-def checkpoint_round_trip(run: Run, directory: str) -> dict:
-    """Train a few steps, save with dist_checkpointing, load into a freshly seeded model+optimizer.
-
-    Returns whether every parameter and optimizer tensor came back bit-exact, and the loss of one more
-    step from the original and from the restored state."""
-    flavor, _, chunks, optimizer = setup(run)
-    for step in range(run.steps):
-        train_step(run, flavor, chunks, optimizer, step)
-    saved = _snapshot(chunks, optimizer)
-    dist_checkpointing.save(_sharded_state(chunks, optimizer), directory)
+def finish() -> None:
+    """Leave together: rank 0 hosts the rendezvous store the others may still be using."""
     torch.distributed.barrier()
-
-    # A second model and optimizer from another seed, then the checkpoint loaded into them.
-    torch.manual_seed(run.seed + 1)
-    model_parallel_cuda_manual_seed(run.seed + 1)
-    other = dataclasses.replace(run, seed=run.seed + 1)
-    _, _, fresh_chunks, fresh_optimizer = _fresh(other)
-    train_step(other, flavor, fresh_chunks, fresh_optimizer, 0)  # creates optimizer state to load into
-    differs_before = any(not torch.equal(p, saved["params"][n])
-                         for n, p in fresh_chunks[0].named_parameters())
-    state = dist_checkpointing.load(_sharded_state(fresh_chunks, fresh_optimizer, is_loading=True),
-                                   directory)
-    model = fresh_chunks[0].module
-    model.load_state_dict(state["model"])
-    fresh_optimizer.load_state_dict(state["optimizer"])
-    loaded = _snapshot(fresh_chunks, fresh_optimizer)
-
-    params_equal = all(torch.equal(loaded["params"][n], t) for n, t in saved["params"].items())
-    optimizer_equal = _tensors_equal(saved["optimizer"], loaded["optimizer"])
-    next_loss_original, _ = train_step(run, flavor, chunks, optimizer, run.steps)
-    next_loss_restored, _ = train_step(run, flavor, fresh_chunks, fresh_optimizer, run.steps)
-    return {"differs_before": differs_before, "params_equal": params_equal,
-            "optimizer_equal": optimizer_equal, "n_params": len(saved["params"]),
-            "next_loss": (next_loss_original, next_loss_restored)}
+    torch.distributed.destroy_process_group()
 
 
-def _fresh(run: Run):
-    """Model and optimizer for ``run`` on the groups that already exist."""
-    flavor = FLAVORS[run.flavor]
-    config = transformer_config(flavor)
-    chunk = build_gpt(flavor, config)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-        use_distributed_optimizer=run.distributed_optimizer, bucket_size=4096)
-    chunks = [DistributedDataParallel(config, ddp_config, chunk)]
-    config.no_sync_func = chunks[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=run.lr, weight_decay=0.01, clip_grad=1.0,
-                        use_distributed_optimizer=run.distributed_optimizer), chunks)
-    config.grad_scale_func = optimizer.scale_loss
-    return flavor, config, chunks, optimizer
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    parser.add_argument("--distributed-optimizer", action="store_true")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    run = Run(tp=args.tp, pp=args.pp, vpp=args.vpp, distributed_optimizer=args.distributed_optimizer,
+              steps=args.steps, dropout=args.dropout)
+    flavor, _, chunks, optimizer = setup(run)
+    reporter = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                and parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_data_parallel_rank() == 0)
+    if torch.distributed.get_rank() == 0:
+        print(f"backend {adapter.current_backend().name}: {torch.distributed.get_world_size()} ranks, "
+              f"TP {run.tp} PP {run.pp} DP {parallel_state.get_data_parallel_world_size()}", flush=True)
+    for step in range(run.steps):
+        loss, grad_norm = train_step(run, flavor, chunks, optimizer, step)
+        if reporter:
+            print(f"step {step + 1:4d} | lm loss {loss:.4f} | grad norm {grad_norm:.3f}", flush=True)
+    finish()
 
 
-def _tensors_equal(a, b) -> bool:
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(
-            _tensors_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_tensors_equal(x, y) for x, y in zip(a, b))
-    return a == b
+if __name__ == "__main__":
+    main()

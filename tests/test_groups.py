@@ -1,0 +1,84 @@
+"""megatron's process-group layout, built on the adapter's backend (gloo here), matches megatron's docs.
+
+Default order tp-cp-ep-dp-pp: tensor-parallel neighbours are adjacent ranks, data parallel strides over
+TP, pipeline stages stride over TP x DP. The expected groups are written out literally, not computed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+
+def build_groups(tp: int, pp: int) -> dict:
+    import torch
+
+    import adapter
+    from megatron.core import parallel_state as ps
+
+    adapter.init_distributed()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ranks = torch.distributed.get_process_group_ranks
+    result = {
+        "rank": torch.distributed.get_rank(),
+        "backend": torch.distributed.get_backend(),
+        "tp": ranks(ps.get_tensor_model_parallel_group()),
+        "pp": ranks(ps.get_pipeline_model_parallel_group()),
+        "dp": ranks(ps.get_data_parallel_group()),
+        "embd": ranks(ps.get_embedding_group()) if ps.is_rank_in_embedding_group() else None,
+    }
+    torch.distributed.barrier()  # rank 0 hosts the store: nobody leaves while others build groups
+    torch.distributed.destroy_process_group()
+    return result
+
+
+def _group_of(rank: int, groups: list[list[int]]) -> list[int]:
+    (group,) = [g for g in groups if rank in g]
+    return group
+
+
+def _check(results: list[dict], world: int, expected: dict) -> None:
+    assert [r["rank"] for r in results] == list(range(world))
+    assert {r["backend"] for r in results} == {"gloo"}
+    for kind, groups in expected.items():
+        # the literal tables partition the world exactly once
+        assert sorted(r for g in groups for r in g) == list(range(world)), kind
+        for r in results:
+            got = r[kind]
+            if kind == "embd" and got is None:
+                assert all(r["rank"] not in g for g in groups), r
+                continue
+            assert got == _group_of(r["rank"], groups), (kind, r["rank"], got)
+        seen = sorted({tuple(r[kind]) for r in results if r[kind] is not None})
+        assert seen == sorted(tuple(g) for g in groups), kind
+
+
+def test_tp2_pp2_dp2_on_8_ranks():
+    expected = {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "embd": [[0, 4], [1, 5], [2, 6], [3, 7]],  # first and last stage: with PP2, the PP groups
+    }
+    _check(run_ranks(8, build_groups, 2, 2), 8, expected)
+
+
+@pytest.mark.slow
+def test_tp2_pp4_dp2_on_16_ranks():
+    expected = {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+        "pp": [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]],
+        "dp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+    }
+    results = run_ranks(16, build_groups, 2, 4)
+    _check(results, 16, expected)
+    # embedding group: first and last pipeline stage only; middle stages (ranks 4-11) are outside it
+    embd = [[0, 12], [1, 13], [2, 14], [3, 15]]
+    for r in results:
+        if 4 <= r["rank"] <= 11:
+            assert r["embd"] is None, r
+        else:
+            assert r["embd"] == _group_of(r["rank"], embd), r

@@ -1,0 +1,206 @@
+"""Impossible parallel layouts are refused up front, with the bad value and the fix in the message."""
+
+from __future__ import annotations
+
+import pytest
+
+import adapter
+from adapter import parallel
+from adapter.parallel import ParallelConfigError, check_sizes
+from tests.distributed import run_ranks
+
+
+# ---------------------------------------------------------------- check_sizes
+def test_valid_layouts_return_the_data_parallel_size():
+    assert check_sizes(8, tp=2, pp=2) == 2
+    assert check_sizes(16, tp=2, pp=4) == 2
+    assert check_sizes(8, tp=2, cp=2, ep=2) == 2
+    assert check_sizes(8, tp=2, pp=2, vpp=2, num_attention_heads=8, num_query_groups=2, num_layers=8) == 2
+    assert check_sizes(1) == 1
+
+
+def test_world_not_divisible_by_tp_pp_cp():
+    with pytest.raises(ParallelConfigError,
+                       match=r"world size 6 is not divisible by tensor \(2\) x pipeline \(2\) x context "
+                             r"\(1\) parallel = 4\. Launch a multiple of 4 processes"):
+        check_sizes(6, tp=2, pp=2)
+    with pytest.raises(ParallelConfigError, match=r"context \(3\) parallel = 6\. Launch a multiple of 6"):
+        check_sizes(8, tp=2, cp=3)
+
+
+def test_expert_sizes_not_dividing():
+    with pytest.raises(ParallelConfigError,
+                       match=r"world size 8 is not divisible by expert tensor \(2\) x expert \(3\) x "
+                             r"pipeline \(1\) parallel = 6\. Change expert_model_parallel_size"):
+        check_sizes(8, tp=2, ep=3)
+    with pytest.raises(ParallelConfigError, match=r"expert tensor \(4\) x expert \(4\) x pipeline \(1\) "
+                                                  r"parallel = 16.*expert_tensor_parallel_size"):
+        check_sizes(8, tp=1, ep=4, etp=4)
+
+
+def test_virtual_pipeline_needs_a_pipeline():
+    with pytest.raises(ParallelConfigError,
+                       match=r"virtual pipeline size 2 needs pipeline_model_parallel_size > 1 \(got 1\)\. "
+                             r"Drop the virtual pipeline size or use a pipeline"):
+        check_sizes(4, tp=2, vpp=2)
+
+
+def test_tp_larger_than_attention_heads():
+    with pytest.raises(ParallelConfigError,
+                       match=r"tensor parallel size 8 does not divide the 4 attention heads\. "
+                             r"Use a tensor parallel size that divides 4"):
+        check_sizes(8, tp=8, num_attention_heads=4)
+
+
+def test_tp_not_dividing_heads():
+    with pytest.raises(ParallelConfigError,
+                       match=r"tensor parallel size 4 does not divide the 6 attention heads\. "
+                             r"Use a tensor parallel size that divides 6"):
+        check_sizes(8, tp=4, num_attention_heads=6)
+
+
+def test_tp_not_dividing_query_groups():
+    with pytest.raises(ParallelConfigError,
+                       match=r"tensor parallel size 4 does not divide the 2 query groups \(GQA\)\. "
+                             r"Use a tensor parallel size that divides 2"):
+        check_sizes(8, tp=4, num_attention_heads=8, num_query_groups=2)
+
+
+def test_layers_not_divisible_by_pipeline_stages():
+    with pytest.raises(ParallelConfigError,
+                       match=r"10 layers cannot be split evenly over pipeline \(2\) x virtual pipeline "
+                             r"\(2\) = 4 stages\. Choose sizes whose product divides 10"):
+        check_sizes(4, pp=2, vpp=2, num_layers=10)
+    with pytest.raises(ParallelConfigError, match=r"7 layers .* pipeline \(2\) x virtual pipeline \(1\) = 2"):
+        check_sizes(4, pp=2, num_layers=7)
+
+
+@pytest.mark.parametrize("kwargs, name, shown", [
+    (dict(tp=0), "tensor_model_parallel_size", "0"),
+    (dict(pp=-2), "pipeline_model_parallel_size", "-2"),
+    (dict(cp=1.5), "context_parallel_size", "1.5"),
+    (dict(ep="2"), "expert_model_parallel_size", "'2'"),
+    (dict(tp=True), "tensor_model_parallel_size", "True"),
+    (dict(etp=0), "expert_tensor_parallel_size", "0"),
+    (dict(pp=2, vpp=0), "virtual_pipeline_model_parallel_size", "0"),
+    (dict(tp=2.0), "tensor_model_parallel_size", "2.0"),
+])
+def test_non_positive_or_non_int_sizes(kwargs, name, shown):
+    with pytest.raises(ParallelConfigError,
+                       match=rf"^{name}={shown}: parallel sizes are whole numbers >= 1$".replace(".", r"\.")):
+        check_sizes(8, **kwargs)
+
+
+def test_non_positive_world_size():
+    with pytest.raises(ParallelConfigError, match=r"^world_size=0: parallel sizes are whole numbers >= 1"):
+        check_sizes(0)
+
+
+def test_parallel_config_error_is_a_value_error():
+    assert issubclass(ParallelConfigError, ValueError)
+    assert adapter.ParallelConfigError is ParallelConfigError
+
+
+# ---------------------------------------------------------------- initialize_model_parallel wrapper
+def refuse_then_build() -> dict:
+    """Rank fn: an impossible layout is refused with no group created; a possible one then works."""
+    import torch
+
+    import adapter
+    from megatron.core import parallel_state as ps
+
+    adapter.init_distributed()
+    created = []
+    real_new_group = torch.distributed.new_group
+
+    def spy(*args, **kwargs):
+        created.append(kwargs.get("group_desc"))
+        return real_new_group(*args, **kwargs)
+
+    torch.distributed.new_group = spy
+    out = {}
+    for label, kwargs in (("tp4", dict(tensor_model_parallel_size=4)),
+                          ("ep4", dict(expert_model_parallel_size=4))):
+        try:
+            ps.initialize_model_parallel(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - the type is the point
+            out[label] = (type(exc).__name__, str(exc))
+        else:
+            out[label] = None
+        out[label + "_initialized"] = ps.model_parallel_is_initialized()
+        out[label + "_groups"] = list(created)
+    # nothing half-built is left behind: the possible layout goes through on the same processes
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    out["after"] = (ps.model_parallel_is_initialized(),
+                    torch.distributed.get_process_group_ranks(ps.get_tensor_model_parallel_group()))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return out
+
+
+@pytest.mark.multiproc
+def test_initialize_model_parallel_refuses_before_creating_groups():
+    for out in run_ranks(2, refuse_then_build):
+        name, message = out["tp4"]
+        assert name == "ParallelConfigError"
+        assert "world size 2 is not divisible by tensor (4)" in message
+        assert "Launch a multiple of 4 processes" in message
+        assert out["tp4_initialized"] is False
+        assert out["tp4_groups"] == []
+        name, message = out["ep4"]
+        assert name == "ParallelConfigError"
+        assert "expert (4)" in message and "expert_model_parallel_size" in message
+        assert out["ep4_initialized"] is False
+        assert out["ep4_groups"] == []
+        assert out["after"] == (True, [0, 1])
+
+
+def test_initialize_model_parallel_without_torch_distributed():
+    import torch
+
+    from megatron.core import parallel_state as ps
+
+    assert not torch.distributed.is_initialized(), "this test needs a process without a default group"
+    assert adapter.registry.applied("megatron.core.parallel_state:initialize_model_parallel")
+    with pytest.raises(ParallelConfigError,
+                       match=r"initialize_model_parallel needs torch\.distributed first: call "
+                             r"adapter\.init_distributed\(\)"):
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    assert not ps.model_parallel_is_initialized()
+
+
+# ---------------------------------------------------------------- timeout
+def test_timeout_default(monkeypatch):
+    monkeypatch.delenv(parallel.TIMEOUT_ENV, raising=False)
+    assert parallel.timeout_minutes() == 30.0
+
+
+@pytest.mark.parametrize("raw, minutes", [("5", 5.0), ("0.5", 0.5), (" 90 ", 90.0)])
+def test_timeout_from_env(monkeypatch, raw, minutes):
+    monkeypatch.setenv("ADAPTER_DIST_TIMEOUT_MINUTES", raw)
+    assert parallel.timeout_minutes() == minutes
+    assert parallel.timeout_minutes(12) == 12.0  # an explicit value wins over the environment
+
+
+@pytest.mark.parametrize("raw", ["abc", "", "0", "-3", "nan", "inf"])
+def test_timeout_env_refused(monkeypatch, raw):
+    monkeypatch.setenv("ADAPTER_DIST_TIMEOUT_MINUTES", raw)
+    with pytest.raises(ParallelConfigError,
+                       match=rf"^ADAPTER_DIST_TIMEOUT_MINUTES={raw!r}: give the timeout as a positive "
+                             r"number of minutes, e\.g\. 30$"):
+        parallel.timeout_minutes()
+
+
+@pytest.mark.parametrize("requested", [0, -1, float("nan"), float("inf")])
+def test_timeout_argument_refused(requested):
+    with pytest.raises(ParallelConfigError, match=r"^timeout=.*positive number of minutes"):
+        parallel.timeout_minutes(requested)
+
+
+def test_timeout_is_refused_before_the_process_group_starts(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("ADAPTER_DIST_TIMEOUT_MINUTES", "abc")
+    with pytest.raises(ParallelConfigError, match="ADAPTER_DIST_TIMEOUT_MINUTES='abc'"):
+        adapter.init_distributed()
+    assert not torch.distributed.is_initialized()
