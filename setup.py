@@ -28,7 +28,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "pyyaml"],  # pyyaml: megatron reads per-group communicator YAML
         # torch_npu must match torch and the installed CANN exactly: install Ascend's wheel for your
         # torch by hand (pip install torch-npu==<torch version>) on NPU machines only.
         "npu": ["pyyaml"],

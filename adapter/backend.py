@@ -1,8 +1,7 @@
 """Which machine we are on: cpu, cuda or npu, and what follows from it.
 
 Chosen once per process from ``ADAPTER_BACKEND`` (cpu | cuda | npu), or automatically: npu where torch_npu
-imports and reports a device, else cuda where available, else cpu. The kernel provider (``ADAPTER_KERNELS``)
-is a separate choice: where tensors live does not decide which fused-op implementation runs.
+imports and reports a device, else cuda where available, else cpu.
 """
 
 from __future__ import annotations

@@ -203,5 +203,6 @@ def __getattr__(name: str):
     if name.startswith("__") or not hasattr(source, name):
         raise AttributeError(
             f"megatron asked torch.cuda.{name}, which the adapter does not provide on the "
-            f"{_backend.current().name} backend. Please report it with `python -m adapter`'s output.")
+            f"{_backend.current().name} backend. Please report it with the traceback and the versions of "
+            "torch and megatron-core.")
     return getattr(source, name)

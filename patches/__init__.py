@@ -1,6 +1,6 @@
 """The adapter's patch table for megatron-core: every change it makes, with the reason for each.
 
-Each submodule registers one concern. ``python -m adapter`` prints the table with each patch's status.
+Each submodule registers one concern; ``adapter.registry.status(target)`` tells what became of a patch.
 """
 
 from patches import cuda_sites, process_groups, rng, tensor_methods, torch_optimizers

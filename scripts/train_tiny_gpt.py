@@ -22,6 +22,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.timers import Timers
 
 from models.gpt import FLAVORS, build_gpt, transformer_config
 
@@ -102,9 +103,13 @@ def forward_step(data_iterator, model):
     return output, functools.partial(_loss, torch.ones_like(labels, dtype=torch.float32))
 
 
+TIMERS = Timers(log_level=1, log_option="minmax")
+
+
 def train_step(run: Run, flavor, chunks, optimizer, step: int):
     """One iteration; returns the global-batch mean loss (on the last stage, else None) and grad norm."""
     microbatches = batches(run, flavor, step)
+    TIMERS("forward-backward", log_level=1).start(barrier=True)
     for chunk in chunks:
         if run.ddp:
             chunk.zero_grad_buffer()
@@ -116,12 +121,21 @@ def train_step(run: Run, flavor, chunks, optimizer, step: int):
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(microbatches), seq_length=flavor.seq_length,
         micro_batch_size=run.micro_batch, forward_only=False)
+    TIMERS("forward-backward").stop()
+    TIMERS("optimizer", log_level=1).start(barrier=True)
     _, grad_norm, _ = optimizer.step()
+    TIMERS("optimizer").stop()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None, grad_norm
     mean = torch.stack([entry["lm loss"] for entry in losses]).mean()
     torch.distributed.all_reduce(mean, group=parallel_state.get_data_parallel_group())
     return (mean / parallel_state.get_data_parallel_world_size()).item(), grad_norm
+
+
+def step_timings(run: Run) -> str | None:
+    """ms per step, (min, max) over all ranks, as Megatron-LM logs it; the string is on rank 0."""
+    return TIMERS.get_all_timers_string(["forward-backward", "optimizer"], normalizer=run.steps,
+                                        barrier=True)
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -139,7 +153,9 @@ def train(run: Run) -> dict:
         loss, norm = train_step(run, flavor, chunks, optimizer, step)
         losses.append(loss)
         norms.append(norm)
+    timings = step_timings(run)
     result = {"rank": torch.distributed.get_rank(), "losses": losses, "grad_norms": norms,
+              "timings": timings,
               "optimizer_state_bytes": optimizer_state_bytes(optimizer),
               "dp_size": parallel_state.get_data_parallel_world_size()}
     finish()
@@ -174,6 +190,9 @@ def main(argv=None) -> None:
         loss, grad_norm = train_step(run, flavor, chunks, optimizer, step)
         if reporter:
             print(f"step {step + 1:4d} | lm loss {loss:.4f} | grad norm {grad_norm:.3f}", flush=True)
+    timings = step_timings(run)
+    if torch.distributed.get_rank() == 0:
+        print(timings)
     finish()
 
 
