@@ -74,7 +74,6 @@ class _Applied:
     had_own: bool  # the owner held the attribute itself (not inherited)
     original_raw: Any  # as stored in the owner's __dict__ (keeps classmethod/staticmethod wrappers)
     original: Any  # as seen through getattr: what by-value copies elsewhere would hold
-    installed_raw: Any
     copies: list  # (module_dict, key) pairs rebound from original to the patched value
     patched: Any = None  # as seen through getattr after patching; set when copies are rebound
     rebound: bool = False  # copies of the original were rebound, so revert looks for copies again
@@ -284,7 +283,7 @@ class PatchRegistry:
             current = patch.new(current)
         installed = descriptor(current) if descriptor else current
         setattr(owner, name, installed)
-        record = _Applied(owner, name, had_own, original_raw, original, installed, [])
+        record = _Applied(owner, name, had_own, original_raw, original, [])
         self._applied[target] = record
         return record
 

@@ -13,14 +13,15 @@ from tests.distributed import run_ranks
 pytestmark = pytest.mark.multiproc
 
 
-def build_groups(tp: int, pp: int) -> dict:
+def build_groups(tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict:
     import torch
 
     import adapter
     from megatron.core import parallel_state as ps
 
     adapter.init_distributed()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp, expert_model_parallel_size=ep)
     ranks = torch.distributed.get_process_group_ranks
     result = {
         "rank": torch.distributed.get_rank(),
@@ -29,6 +30,10 @@ def build_groups(tp: int, pp: int) -> dict:
         "pp": ranks(ps.get_pipeline_model_parallel_group()),
         "dp": ranks(ps.get_data_parallel_group()),
         "embd": ranks(ps.get_embedding_group()) if ps.is_rank_in_embedding_group() else None,
+        "cp": ranks(ps.get_context_parallel_group()),
+        "dp_cp": ranks(ps.get_data_parallel_group(with_context_parallel=True)),
+        "ep": ranks(ps.get_expert_model_parallel_group()),
+        "edp": ranks(ps.get_expert_data_parallel_group()),
     }
     torch.distributed.barrier()  # rank 0 hosts the store: nobody leaves while others build groups
     torch.distributed.destroy_process_group()
@@ -82,3 +87,17 @@ def test_tp2_pp4_dp2_on_16_ranks():
             assert r["embd"] is None, r
         else:
             assert r["embd"] == _group_of(r["rank"], embd), r
+
+
+def test_context_and_expert_parallel_on_4_ranks():
+    """CP2 x DP2 for the dense layers; the experts re-split the same 4 ranks as EP2 x expert-DP2."""
+    expected = {
+        "tp": [[0], [1], [2], [3]],
+        "cp": [[0, 1], [2, 3]],
+        "dp": [[0, 2], [1, 3]],
+        "dp_cp": [[0, 1, 2, 3]],
+        "pp": [[0], [1], [2], [3]],
+        "ep": [[0, 1], [2, 3]],
+        "edp": [[0, 2], [1, 3]],
+    }
+    _check(run_ranks(4, build_groups, 1, 1, 2, 2), 4, expected)

@@ -38,32 +38,20 @@ def test_expert_sizes_not_dividing():
         check_sizes(8, tp=1, ep=4, etp=4)
 
 
-def test_virtual_pipeline_needs_a_pipeline():
-    with pytest.raises(ParallelConfigError,
-                       match=r"virtual pipeline size 2 needs pipeline_model_parallel_size > 1 \(got 1\)\. "
-                             r"Drop the virtual pipeline size or use a pipeline"):
-        check_sizes(4, tp=2, vpp=2)
-
-
-def test_tp_larger_than_attention_heads():
-    with pytest.raises(ParallelConfigError,
-                       match=r"tensor parallel size 8 does not divide the 4 attention heads\. "
-                             r"Use a tensor parallel size that divides 4"):
-        check_sizes(8, tp=8, num_attention_heads=4)
-
-
-def test_tp_not_dividing_heads():
-    with pytest.raises(ParallelConfigError,
-                       match=r"tensor parallel size 4 does not divide the 6 attention heads\. "
-                             r"Use a tensor parallel size that divides 6"):
-        check_sizes(8, tp=4, num_attention_heads=6)
-
-
-def test_tp_not_dividing_query_groups():
-    with pytest.raises(ParallelConfigError,
-                       match=r"tensor parallel size 4 does not divide the 2 query groups \(GQA\)\. "
-                             r"Use a tensor parallel size that divides 2"):
-        check_sizes(8, tp=4, num_attention_heads=8, num_query_groups=2)
+@pytest.mark.parametrize("world, sizes, message", [
+    (4, dict(tp=2, vpp=2), r"virtual pipeline size 2 needs pipeline_model_parallel_size > 1 \(got 1\)\. "
+                           r"Drop the virtual pipeline size or use a pipeline"),
+    (8, dict(tp=8, num_attention_heads=4), r"tensor parallel size 8 does not divide the 4 attention "
+                                           r"heads\. Use a tensor parallel size that divides 4"),
+    (8, dict(tp=4, num_attention_heads=6), r"tensor parallel size 4 does not divide the 6 attention "
+                                           r"heads\. Use a tensor parallel size that divides 6"),
+    (8, dict(tp=4, num_attention_heads=8, num_query_groups=2),
+     r"tensor parallel size 4 does not divide the 2 query groups \(GQA\)\. "
+     r"Use a tensor parallel size that divides 2"),
+], ids=["vpp-without-pipeline", "tp-above-heads", "tp-not-dividing-heads", "tp-not-dividing-groups"])
+def test_refused_layouts_name_the_value_and_the_fix(world, sizes, message):
+    with pytest.raises(ParallelConfigError, match=message):
+        check_sizes(world, **sizes)
 
 
 def test_layers_not_divisible_by_pipeline_stages():
