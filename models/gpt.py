@@ -31,9 +31,13 @@ class GPTFlavor:
     tie_embeddings: bool = False
 
 
+_TINY = GPTFlavor(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                  num_query_groups=2, vocab_size=256, seq_length=32)
+
 FLAVORS = {
-    "tiny": GPTFlavor(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                      num_query_groups=2, vocab_size=256, seq_length=32),
+    "tiny": _TINY,
+    # input embedding and output layer share one weight, as in small Qwen2.5 models
+    "tiny-tied": dataclasses.replace(_TINY, tie_embeddings=True),
 }
 
 

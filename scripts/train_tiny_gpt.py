@@ -154,7 +154,11 @@ def train(run: Run) -> dict:
         losses.append(loss)
         norms.append(norm)
     timings = step_timings(run)
+    chunk = chunks[-1].module if run.ddp else chunks[-1]
+    holds_embedding = chunk.pre_process or chunk.post_process
+    shared = chunk.shared_embedding_or_output_weight() if holds_embedding else None
     result = {"rank": torch.distributed.get_rank(), "losses": losses, "grad_norms": norms,
+              "shared_weight": None if shared is None else shared.detach().clone(),
               "timings": timings,
               "optimizer_state_bytes": optimizer_state_bytes(optimizer),
               "dp_size": parallel_state.get_data_parallel_world_size()}

@@ -49,6 +49,15 @@ def test_tensor_and_pipeline_parallel_with_distributed_optimizer_learns():
     assert "forward-backward" in results[0]["timings"] and "optimizer" in results[0]["timings"]
 
 
+def test_tied_embeddings_across_pipeline_stages_stay_equal():
+    """Megatron all-reduces the tied weight between first and last stage (its .cuda() site)."""
+    results = run_ranks(2, train, Run(pp=2, flavor="tiny-tied", steps=4))
+    losses = _curve(results)
+    assert losses[-1] < losses[0]
+    first, last = results[0]["shared_weight"], results[1]["shared_weight"]
+    assert first.shape == last.shape and (first == last).all()
+
+
 def test_interleaved_pipeline_learns():
     losses = _curve(run_ranks(2, train, Run(pp=2, vpp=2)))
     assert losses[-1] < losses[0] - 0.4
