@@ -3,11 +3,11 @@
 Each submodule registers one concern; ``adapter.registry.status(target)`` tells what became of a patch.
 """
 
-from patches import cuda_sites, process_groups, rng, tensor_methods, torch_optimizers
+from patches import cuda_sites, kernels, process_groups, rng, tensor_methods, torch_optimizers
 
 CHECKED_MEGATRON_CORE = "==0.16.1"
 
 
 def register_all(registry) -> None:
-    for concern in (cuda_sites, rng, tensor_methods, torch_optimizers, process_groups):
+    for concern in (cuda_sites, rng, tensor_methods, torch_optimizers, process_groups, kernels):
         concern.register(registry, CHECKED_MEGATRON_CORE)

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 scripts/train_tiny_gpt.py --tp 2
     torchrun --nproc_per_node 4 scripts/train_tiny_gpt.py --tp 2 --pp 2 --distributed-optimizer
+    torchrun --nproc_per_node 2 scripts/train_tiny_gpt.py --tp 2 --sequence-parallel
 
 Megatron-core as a user writes it: DDP with overlapped bucketed grad reduction, get_megatron_optimizer,
 the (interleaved) pipeline schedules and finalize_model_grads. The same code runs on CPU (gloo), CUDA
@@ -40,6 +41,7 @@ class Run:
     global_batch: int = 8
     lr: float = 1e-3
     dropout: float = 0.0
+    sequence_parallel: bool = False
     seed: int = 1234
     flavor: str = "tiny"
 
@@ -56,7 +58,8 @@ def build(run: Run):
     torch.manual_seed(run.seed)
     model_parallel_cuda_manual_seed(run.seed)
     flavor = FLAVORS[run.flavor]
-    config = transformer_config(flavor, hidden_dropout=run.dropout, attention_dropout=run.dropout)
+    config = transformer_config(flavor, hidden_dropout=run.dropout, attention_dropout=run.dropout,
+                                sequence_parallel=run.sequence_parallel)
     stages = [None] if run.vpp is None else list(range(run.vpp))
     chunks = [build_gpt(flavor, config, vp_stage=stage) for stage in stages]
     if run.ddp:
@@ -180,9 +183,11 @@ def main(argv=None) -> None:
     parser.add_argument("--distributed-optimizer", action="store_true")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="split norms and dropout along the sequence over the TP group")
     args = parser.parse_args(argv)
     run = Run(tp=args.tp, pp=args.pp, vpp=args.vpp, distributed_optimizer=args.distributed_optimizer,
-              steps=args.steps, dropout=args.dropout)
+              steps=args.steps, dropout=args.dropout, sequence_parallel=args.sequence_parallel)
     flavor, _, chunks, optimizer = setup(run)
     reporter = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 and parallel_state.get_tensor_model_parallel_rank() == 0

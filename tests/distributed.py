@@ -36,11 +36,13 @@ def run_ranks(world_size: int, fn, *args, env: dict | None = None, timeout: floa
         (tmp / "call.pkl").write_bytes(pickle.dumps((fn.__module__, fn.__qualname__, args)))
         port = free_port()
         procs = []
+        # the repo root first; a PYTHONPATH in ``env`` (e.g. the torch_npu double) comes after it
+        pythonpath = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env and "PYTHONPATH" in env else []))
         for rank in range(world_size):
             rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
                         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                        "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+                        "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
             log = open(tmp / f"rank{rank}.log", "w")
             procs.append((subprocess.Popen([sys.executable, "-m", "tests.distributed", str(tmp), str(rank)],
                                            env=rank_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))

@@ -30,6 +30,12 @@ def test_tensor_parallel_curve_equals_single_process(single_process):
     assert tp2 == pytest.approx(single_process["losses"], abs=1e-5)
 
 
+def test_tensor_and_sequence_parallel_curve_equals_single_process(single_process):
+    """Megatron's local norm refuses sequence parallelism; the adapter's norm takes it."""
+    tp2_sp = _curve(run_ranks(2, train, Run(tp=2, sequence_parallel=True)))
+    assert tp2_sp == pytest.approx(single_process["losses"], abs=1e-5)
+
+
 def test_data_parallel_distributed_optimizer_matches_single_process_and_halves_state(single_process):
     results = run_ranks(2, train, Run(distributed_optimizer=True))
     assert _curve(results) == pytest.approx(single_process["losses"], abs=1e-5)

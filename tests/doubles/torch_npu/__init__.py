@@ -12,9 +12,26 @@ device"), exactly as a torch_npu without a device would.
 
 Layout (mirrors the real package; extend it here, one submodule per area):
 - ``torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options``: per-group HCCL options (``hccl_config``).
+- ``torch_npu.npu_fusion_attention``, ``npu_rms_norm``, ``npu_swiglu``, ``npu_rotary_mul``,
+  ``npu_cross_entropy_loss``, ``npu_scaled_masked_softmax``: the fused ops, top-level as on the real
+  package, defined in ``torch_npu/_ops.py`` (pure torch, autograd-capable, validating the documented
+  constraints; see that module for what is and is not modelled).
+- ``torch_npu.CALLS``: a ``collections.Counter`` (double only) that each fused op increments under its own
+  name on every call, refused calls included, so a test can prove a code path really dispatched to
+  torch_npu (``CALLS["npu_fusion_attention"]``). It lives as long as the imported module: the
+  ``torch_npu_double`` fixture re-imports the double per test, so each test starts from zero.
 """
 
 __version__ = "0.0.0+double"
 IS_DOUBLE = True  # lets a test tell the double from a real torch_npu
 
 from torch_npu import _C  # noqa: E402,F401 - as on the real package, torch_npu._C is loaded on import
+from torch_npu._ops import (  # noqa: E402,F401 - the real package exposes its fused ops at top level
+    CALLS,
+    npu_cross_entropy_loss,
+    npu_fusion_attention,
+    npu_rms_norm,
+    npu_rotary_mul,
+    npu_scaled_masked_softmax,
+    npu_swiglu,
+)

@@ -1,0 +1,90 @@
+"""Fused-kernel providers: which implementation of RMSNorm, SwiGLU, RoPE, softmax, cross entropy and core
+attention megatron's layers get.
+
+The provider is chosen apart from the device (``adapter.backend``): it defaults from the backend (npu -> npu,
+cuda -> cuda, cpu -> torch) and ``ADAPTER_KERNELS=npu|cuda|torch`` overrides it, so the npu provider's
+argument building runs on CPU tensors against the torch_npu double in the tests.
+
+- ``torch``: plain PyTorch, the reference; numerically megatron's local path.
+- ``npu``: torch_npu's fused ops (npu_rms_norm, npu_swiglu, npu_rotary_mul, npu_fusion_attention,
+  npu_scaled_masked_softmax, npu_cross_entropy_loss).
+- ``cuda``: what is installed (Transformer Engine, apex, flash-attn), else PyTorch's fused
+  scaled_dot_product_attention.
+
+Each provider is a module with the same names (``PROVIDER_API``); ``patches/kernels.py`` and the layer
+specs bind them directly, so a forward pass calls the chosen kernel with no dispatch in between.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
+
+from adapter import backend as _backend
+
+KERNELS_ENV = "ADAPTER_KERNELS"
+PROVIDERS = ("npu", "cuda", "torch")
+DEFAULT_FOR_BACKEND = {"npu": "npu", "cuda": "cuda", "cpu": "torch"}
+
+# What every provider module defines (None: megatron's own implementation stays). Provider modules do
+# not import megatron, so choosing one at ``import adapter`` keeps megatron unimported.
+PROVIDER_API = ("NAME", "Norm", "installed_norm", "installed_core_attention", "attention", "rms_norm", "layer_norm",
+                "bias_swiglu", "rope", "rope_thd", "softmax_fusable", "scaled_masked_softmax",
+                "vocab_parallel_cross_entropy")
+
+
+class KernelProviderUnavailable(RuntimeError):
+    """The requested kernel provider cannot run in this environment."""
+
+
+class UnsupportedKernelSetting(ValueError):
+    """A model setting a provider's kernel would otherwise compute wrongly: refused, naming the fix."""
+
+
+def select_provider(requested: str | None = None) -> ModuleType:
+    """Resolve ``requested`` (or ``$ADAPTER_KERNELS``; empty means: follow the backend) to a provider
+    module. Importing the npu provider needs a module named ``torch_npu``, not an NPU."""
+    if requested is None:
+        requested = os.environ.get(KERNELS_ENV, "")
+    name = requested.strip().lower() or DEFAULT_FOR_BACKEND[_backend.current().name]
+    if name not in PROVIDERS:
+        raise KernelProviderUnavailable(
+            f"{KERNELS_ENV}={requested!r} is not a kernel provider: use one of {', '.join(PROVIDERS)} "
+            "(or leave it unset to follow the backend)")
+    try:
+        return importlib.import_module(f"adapter.kernels.{name}_provider")
+    except ImportError as exc:
+        raise KernelProviderUnavailable(
+            f"kernel provider {name!r} cannot be loaded: {exc}. "
+            + ("It needs torch_npu (CANN's torch_npu wheel, or the tests' double on sys.path)."
+               if name == "npu" else "")) from exc
+
+
+@functools.lru_cache(maxsize=None)
+def current() -> ModuleType:
+    """This process's kernel provider, chosen once."""
+    return select_provider()
+
+
+@functools.lru_cache(maxsize=None)
+def norm_module(provider: ModuleType | None = None) -> type:
+    """The norm class megatron's specs get for ``provider``: Transformer Engine's on CUDA when installed,
+    else the provider's ``Norm``."""
+    provider = provider or current()
+    return provider.installed_norm() or provider.Norm
+
+
+@functools.lru_cache(maxsize=None)
+def core_attention_module(provider: ModuleType | None = None) -> type:
+    """The core-attention class megatron's specs get for ``provider`` (default: this process's): what the
+    provider finds installed (Transformer Engine's on CUDA), else ``CoreAttention`` over its function."""
+    from adapter.kernels.attention import CoreAttention
+
+    provider = provider or current()
+    installed = provider.installed_core_attention()
+    if installed is not None:
+        return installed
+    return type(f"{provider.NAME.capitalize()}CoreAttention", (CoreAttention,),
+                {"attention": staticmethod(provider.attention), "__module__": __name__})

@@ -1,0 +1,128 @@
+"""The ``cuda`` kernel provider: what is installed, else PyTorch's fused kernels.
+
+- Transformer Engine installed: megatron's own ``TEDotProductAttention`` and ``TENorm``, and megatron's
+  TE-backed RoPE and cross entropy stay as megatron wires them.
+- flash-attn installed: ``flash_attn_func`` / ``flash_attn_varlen_func`` for CUDA half-precision tensors
+  without an explicit mask (GQA, causal, sliding window and packed sequences natively).
+- Otherwise ``scaled_dot_product_attention``, which picks its flash or memory-efficient kernel on CUDA
+  and takes GQA unexpanded (``enable_gqa``).
+
+It also runs on CPU tensors (SDPA's CPU kernels), which is how its argument building is tested here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from adapter.kernels import UnsupportedKernelSetting, torch_provider
+from adapter.kernels.norm import FusedNorm
+
+NAME = "cuda"
+
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+HAVE_SOFTMAX_EXTENSION = importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
+
+
+def _te_module(name: str):
+    return getattr(importlib.import_module("megatron.core.extensions.transformer_engine"), name)
+
+
+def installed_core_attention():
+    return _te_module("TEDotProductAttention") if HAVE_TE else None
+
+
+def installed_norm():
+    return _te_module("TENorm") if HAVE_TE else None
+
+
+def _flash_attn():
+    return importlib.import_module("flash_attn")
+
+
+def _flash_window(window, causal) -> tuple[int, int]:
+    if window is None:
+        return (-1, -1)
+    left, right = window
+    return (left, 0 if causal else right)
+
+
+def _sdpa_dense(q, k, v, scale, causal, mask, window, dropout_p):
+    sq, b, nq, d = q.shape
+    sk, nkv = k.shape[0], k.shape[2]
+    hidden = None
+    if mask is not None or window is not None or (causal and sq != sk):
+        # SDPA's is_causal is top-left aligned; anything else goes in as an explicit mask
+        hidden = torch_provider.masked_positions(sq, sk, causal, window, q.device)
+        if mask is not None:
+            hidden = mask if hidden is None else (mask | hidden)
+    out = F.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+        attn_mask=None if hidden is None else ~hidden, dropout_p=dropout_p,
+        is_causal=causal and hidden is None, scale=scale, enable_gqa=nq != nkv)
+    return out.permute(2, 0, 1, 3).reshape(sq, b, nq * d)
+
+
+def _use_flash_attn(q, mask) -> bool:
+    return HAVE_FLASH_ATTN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None
+
+
+def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=None, cu_seqlens_kv=None):
+    if q.shape[-2] % k.shape[-2]:
+        raise UnsupportedKernelSetting(
+            f"{q.shape[-2]} query heads over {k.shape[-2]} key/value heads: the query heads must be a "
+            "multiple of the key/value groups")
+    if _use_flash_attn(q, mask):
+        flash = _flash_attn()
+        if cu_seqlens_q is not None:
+            out = flash.flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q, cu_seqlens_kv,
+                int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()),
+                int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max()),
+                dropout_p=dropout_p, softmax_scale=scale, causal=causal,
+                window_size=_flash_window(window, causal))
+            return out.reshape(out.shape[0], -1)
+        sq, b = q.shape[:2]
+        out = flash.flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                    dropout_p=dropout_p, softmax_scale=scale, causal=causal,
+                                    window_size=_flash_window(window, causal))
+        return out.transpose(0, 1).reshape(sq, b, -1)
+    if cu_seqlens_q is None:
+        return _sdpa_dense(q, k, v, scale, causal, mask, window, dropout_p)
+    bounds_q, bounds_kv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
+    outputs = [
+        _sdpa_dense(q[q0:q1].unsqueeze(1), k[k0:k1].unsqueeze(1), v[k0:k1].unsqueeze(1),
+                    scale, causal, None, window, dropout_p).squeeze(1)
+        for q0, q1, k0, k1 in zip(bounds_q[:-1], bounds_q[1:], bounds_kv[:-1], bounds_kv[1:])]
+    return torch.cat(outputs)
+
+
+def _no_softmax_extension(self, mask, b, np, sq, sk) -> bool:
+    """Without apex's scaled_masked_softmax_cuda extension megatron's availability check would import it
+    and fail; use the torch softmax instead."""
+    return False
+
+
+# With the extension, megatron's own availability check and fused softmax stay.
+softmax_fusable = None if HAVE_SOFTMAX_EXTENSION else _no_softmax_extension
+rms_norm = torch_provider.rms_norm
+layer_norm = torch_provider.layer_norm
+# megatron's own SwiGLU, RoPE (TE's when installed; without TE megatron refuses apply_rope_fusion itself),
+# scaled masked softmax (apex's kernel) and cross entropy (native or TE) stay in place.
+bias_swiglu = None
+rope = None
+rope_thd = None
+scaled_masked_softmax = None
+vocab_parallel_cross_entropy = None
+
+
+class CudaNorm(FusedNorm):
+    rms_norm = staticmethod(rms_norm)
+    layer_norm = staticmethod(layer_norm)
+
+
+Norm = CudaNorm

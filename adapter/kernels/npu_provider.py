@@ -1,0 +1,185 @@
+"""The ``npu`` kernel provider: torch_npu's fused operators, called as ../shared/reference/torch_npu.md
+documents them.
+
+Only the argument building lives here; it runs on CPU tensors against the tests' torch_npu double as well
+as on an Ascend NPU. Points the reference insists on: ``npu_fusion_attention`` defaults ``scale`` to 1.0
+(always passed), its masks are True = masked out, causal modes take the compressed 2048x2048 mask, packed
+lengths are cumulative without the leading 0, and GQA takes K/V unexpanded.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import torch_npu
+
+from adapter.kernels import UnsupportedKernelSetting, cross_entropy, torch_provider
+from adapter.kernels.norm import FusedNorm
+
+NAME = "npu"
+
+UNBOUNDED = 2147483647  # npu_fusion_attention's "no limit" for pre/next tokens
+SPARSE_BAND = 0  # full atten_mask, optionally band-limited
+SPARSE_CAUSAL_BOTTOM_RIGHT = 3
+SPARSE_BAND_BOTTOM_RIGHT = 4
+MAX_QUERY_HEADS = 256
+MAX_ROTARY_DIM = 896
+
+
+@functools.lru_cache(maxsize=None)
+def compressed_causal_mask(device: torch.device) -> torch.Tensor:
+    """The fixed 2048x2048 upper-triangular mask the compressed sparse modes (2, 3, 4) take."""
+    return torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
+
+
+def rms_norm(x, weight, eps):
+    return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+
+
+def layer_norm(x, weight, bias, eps):
+    # torch_npu runs aten's layer_norm as its fused LayerNorm kernel
+    return F.layer_norm(x, weight.shape, weight, bias, eps)
+
+
+def bias_swiglu(input, bias, fp8_input_store=False, cpu_offload_input=False):
+    """megatron's bias_swiglu_impl on npu_swiglu (which gates the first half, as megatron does)."""
+    if fp8_input_store:
+        raise UnsupportedKernelSetting("activation_func_fp8_input_store=True has no NPU kernel; set it False")
+    if bias is not None:
+        input = input + bias
+    return torch_npu.npu_swiglu(input, dim=-1)
+
+
+def _check_heads(nq: int, nkv: int) -> None:
+    if nq > MAX_QUERY_HEADS or nq % nkv:
+        raise UnsupportedKernelSetting(
+            f"{nq} query heads over {nkv} key/value heads per rank: npu_fusion_attention needs at most "
+            f"{MAX_QUERY_HEADS} query heads per rank, a whole multiple of the key/value heads; raise "
+            "tensor_model_parallel_size or fix num_query_groups")
+
+
+def _window_tokens(window) -> tuple[int, int]:
+    left, right = window
+    return (UNBOUNDED if left < 0 else left), (UNBOUNDED if right < 0 else right)
+
+
+def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=None, cu_seqlens_kv=None):
+    nq = q.shape[-2]
+    _check_heads(nq, k.shape[-2])
+    options = dict(scale=scale, keep_prob=1.0 - dropout_p)
+    if cu_seqlens_q is not None:
+        if causal:
+            options.update(atten_mask=compressed_causal_mask(q.device), sparse_mode=SPARSE_CAUSAL_BOTTOM_RIGHT)
+        out = torch_npu.npu_fusion_attention(
+            q, k, v, nq, "TND", actual_seq_qlen=cu_seqlens_q[1:].tolist(),
+            actual_seq_kvlen=cu_seqlens_kv[1:].tolist(), **options)[0]
+        return out.reshape(out.shape[0], -1)
+
+    sq, b = q.shape[:2]
+    if window is not None:
+        if mask is not None:
+            raise UnsupportedKernelSetting(f"sliding window {window} with an attention mask: npu_fusion_attention "
+                                       "takes one or the other; drop the padding mask or window_size")
+        if causal:
+            window = (window[0], 0 if window[1] < 0 else min(window[1], 0))
+        pre, nxt = _window_tokens(window)
+        options.update(atten_mask=compressed_causal_mask(q.device), sparse_mode=SPARSE_BAND_BOTTOM_RIGHT,
+                       pre_tockens=pre, next_tockens=nxt)
+    elif mask is not None:
+        if causal:
+            sk = k.shape[0]
+            mask = mask | torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(sk - sq + 1)
+        options.update(atten_mask=mask, sparse_mode=SPARSE_BAND)
+    elif causal:
+        options.update(atten_mask=compressed_causal_mask(q.device), sparse_mode=SPARSE_CAUSAL_BOTTOM_RIGHT)
+    out = torch_npu.npu_fusion_attention(
+        q.reshape(sq, b, -1), k.reshape(k.shape[0], b, -1), v.reshape(v.shape[0], b, -1), nq, "SBH",
+        **options)[0]
+    return out
+
+
+def _check_rotary_dim(rot: int) -> None:
+    if rot % 2 or rot >= MAX_ROTARY_DIM:
+        raise UnsupportedKernelSetting(f"rotary dimension {rot}: npu_rotary_mul needs an even dimension below "
+                                   f"{MAX_ROTARY_DIM}; set apply_rope_fusion=False")
+
+
+def rope(t, freqs, transpose_output_memory: bool = False, interleaved: bool = False):
+    """RoPE on t [s, b, h, d] (SBND for npu_rotary_mul) with angles freqs [s, 1, 1, d_rot]."""
+    rot = freqs.shape[-1]
+    _check_rotary_dim(rot)
+    cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+    rotated = torch_npu.npu_rotary_mul(t[..., :rot], cos, sin,
+                                       rotary_mode="interleave" if interleaved else "half")
+    if rot == t.shape[-1]:
+        return rotated
+    return torch.cat((rotated, t[..., rot:]), dim=-1)
+
+
+def rope_thd(t, cu_seqlens, freqs, cp_size: int = 1, cp_rank: int = 0):
+    """RoPE on packed t [t, h, d], laid out as SBND with b = 1; positions restart at each sequence."""
+    torch_provider.check_rope_thd(cp_size)
+    angles = freqs[torch_provider.packed_positions(cu_seqlens, t.shape[0])]
+    return rope(t.unsqueeze(1), angles).squeeze(1)
+
+
+SOFTMAX_MIN, SOFTMAX_MAX, SOFTMAX_MULTIPLE = 32, 4096, 32
+
+
+def softmax_fusable(self, mask, b, np, sq, sk) -> bool:
+    """FusedScaleMaskSoftmax.is_kernel_available for npu_scaled_masked_softmax: fp16/bf16 scores whose
+    last two dims lie in [32, 4096] in multiples of 32, and no sliding window (megatron's fused path
+    would silently drop it)."""
+    return bool(
+        self.scaled_masked_softmax_fusion and self.input_in_float16 and self.window_size is None
+        and all(SOFTMAX_MIN <= n <= SOFTMAX_MAX and n % SOFTMAX_MULTIPLE == 0 for n in (sq, sk)))
+
+
+@functools.lru_cache(maxsize=8)
+def _fixed_mask(sq: int, sk: int, causal: bool, device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(1, 1, sq, sk, dtype=torch.bool, device=device)
+    return mask | torch.ones(sq, sk, dtype=torch.bool, device=device).triu_(1) if causal else mask
+
+
+def scaled_masked_softmax(self, input, mask):
+    """FusedScaleMaskSoftmax.forward_fused_softmax on npu_scaled_masked_softmax (scale, then mask, then
+    softmax; causal builds its own mask, as megatron's fused kernel does)."""
+    b, np, sq, sk = input.shape
+    scale = 1.0 if self.scale is None else self.scale
+    if self.attn_mask_type.name == "causal":
+        if sq != sk:
+            raise UnsupportedKernelSetting(f"causal softmax over {sq} queries and {sk} keys: the causal mask "
+                                       "is for self attention (sq == sk)")
+        mask = _fixed_mask(sq, sk, True, input.device)
+    elif mask is None:
+        mask = _fixed_mask(sq, sk, False, input.device)
+    return torch_npu.npu_scaled_masked_softmax(input, mask, scale, False)
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group):
+    """npu_cross_entropy_loss where one rank holds the whole vocabulary; across a split vocabulary the
+    loss needs the all-reduces of the torch version."""
+    if tp_group is not None and tp_group.size() > 1:
+        return cross_entropy.vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group)
+    loss = torch_npu.npu_cross_entropy_loss(
+        vocab_parallel_logits.reshape(-1, vocab_parallel_logits.shape[-1]), target.reshape(-1),
+        reduction="none")[0]
+    return loss.view(target.shape)
+
+
+def installed_core_attention():
+    return None
+
+
+def installed_norm():
+    return None
+
+
+class NpuNorm(FusedNorm):
+    rms_norm = staticmethod(rms_norm)
+    layer_norm = staticmethod(layer_norm)
+
+
+Norm = NpuNorm

@@ -1,0 +1,142 @@
+"""The ``torch`` kernel provider: plain PyTorch, the reference the other providers are held to.
+
+Numerically it is megatron's local path (same operation order, softmax in float32, masked scores filled
+with megatron's -10000), but it also takes what that path refuses: sequence parallelism in the norm,
+packed sequences, ``apply_rope_fusion`` and ``cross_entropy_loss_fusion`` on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from adapter.kernels import UnsupportedKernelSetting, cross_entropy
+from adapter.kernels.norm import FusedNorm
+
+NAME = "torch"
+
+MASKED_SCORE = -10000.0  # megatron's attention_mask_func fill value
+
+
+def rms_norm(x, weight, eps):
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def layer_norm(x, weight, bias, eps):
+    return F.layer_norm(x, weight.shape, weight, bias, eps)
+
+
+def masked_positions(sq: int, sk: int, causal: bool, window, device) -> torch.Tensor | None:
+    """[sq, sk] bool, True where a causal and/or sliding-window (bottom-right aligned) mask hides a key."""
+    if not causal and window is None:
+        return None
+    i = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    hidden = torch.zeros(sq, sk, dtype=torch.bool, device=device)
+    right = 0 if causal else None
+    if window is not None:
+        left, window_right = window
+        if left >= 0:
+            hidden |= j < i - left
+        if window_right >= 0:
+            right = window_right if right is None else min(right, window_right)
+    if right is not None:
+        hidden |= j > i + right
+    return hidden
+
+
+def _dense_attention(q, k, v, scale, causal, mask, window, dropout_p):
+    sq, b, nq, d = q.shape
+    sk, nkv = k.shape[0], k.shape[2]
+    if nq != nkv:
+        k = k.repeat_interleave(nq // nkv, dim=2)
+        v = v.repeat_interleave(nq // nkv, dim=2)
+    scores = torch.matmul(q.permute(1, 2, 0, 3), k.permute(1, 2, 3, 0)) * scale  # [b, nq, sq, sk]
+    scores = scores.float()
+    hidden = masked_positions(sq, sk, causal, window, q.device)
+    if mask is not None:
+        hidden = mask if hidden is None else (mask | hidden)
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, MASKED_SCORE)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p)
+    context = torch.matmul(probs, v.permute(1, 2, 0, 3))  # [b, nq, sq, d]
+    return context.permute(2, 0, 1, 3).reshape(sq, b, nq * d)
+
+
+def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=None, cu_seqlens_kv=None):
+    if q.shape[-2] % k.shape[-2]:
+        raise UnsupportedKernelSetting(f"{q.shape[-2]} query heads over {k.shape[-2]} key/value heads: the "
+                                   "query heads must be a multiple of the key/value groups")
+    if cu_seqlens_q is None:
+        return _dense_attention(q, k, v, scale, causal, mask, window, dropout_p)
+    bounds_q, bounds_kv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
+    outputs = [
+        _dense_attention(q[q0:q1].unsqueeze(1), k[k0:k1].unsqueeze(1), v[k0:k1].unsqueeze(1),
+                         scale, causal, None, window, dropout_p).squeeze(1)
+        for q0, q1, k0, k1 in zip(bounds_q[:-1], bounds_q[1:], bounds_kv[:-1], bounds_kv[1:])]
+    return torch.cat(outputs)
+
+
+def rotate(x, interleaved: bool):
+    """The RoPE partner of each element: (-x2, x1) over halves, or over (even, odd) pairs."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(t, freqs, transpose_output_memory: bool = False, interleaved: bool = False):
+    """RoPE on t [s, b, h, d] with angles freqs [s, 1, 1, d_rot]; dims past d_rot pass through."""
+    rot = freqs.shape[-1]
+    x, passthrough = t[..., :rot], t[..., rot:]
+    cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+    return torch.cat((x * cos + rotate(x, interleaved) * sin, passthrough), dim=-1)
+
+
+def packed_positions(cu_seqlens, total: int):
+    """Position of every token of a packed batch inside its own sequence."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
+    return torch.arange(total, device=cu_seqlens.device) - starts
+
+
+def check_rope_thd(cp_size: int) -> None:
+    if cp_size != 1:
+        raise UnsupportedKernelSetting(f"fused packed-sequence RoPE with cp_size={cp_size}: the adapter has "
+                                   "no context parallelism; use context_parallel_size=1")
+
+
+def rope_thd(t, cu_seqlens, freqs, cp_size: int = 1, cp_rank: int = 0):
+    """RoPE on packed t [t, h, d]; each sequence's positions start at 0."""
+    check_rope_thd(cp_size)
+    angles = freqs[packed_positions(cu_seqlens, t.shape[0])]
+    return rope(t.unsqueeze(1), angles).squeeze(1)
+
+
+def softmax_fusable(self, mask, b, np, sq, sk) -> bool:
+    """No fused softmax kernel here: megatron's own torch softmax runs (and never asks for the CUDA
+    extension it would otherwise import)."""
+    return False
+
+
+bias_swiglu = None  # megatron's own (torch.jit) SwiGLU is this provider's
+scaled_masked_softmax = None
+vocab_parallel_cross_entropy = cross_entropy.vocab_parallel_cross_entropy
+
+
+def installed_core_attention():
+    return None
+
+
+def installed_norm():
+    return None
+
+
+class TorchNorm(FusedNorm):
+    rms_norm = staticmethod(rms_norm)
+    layer_norm = staticmethod(layer_norm)
+
+
+Norm = TorchNorm

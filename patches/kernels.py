@@ -1,0 +1,75 @@
+"""Megatron's fused-kernel entry points, answered by the process's kernel provider (adapter.kernels).
+
+Modules come in through megatron's spec extension point: ``get_gpt_layer_local_spec`` asks its
+``LocalSpecProvider`` for the norm and core attention, so an unchanged model provider gets the kernel
+provider's modules. Functions megatron reaches through a ``TransformerConfig`` fusion flag are replaced
+where the flag sends them, so the flags keep their meaning: ``bias_activation_fusion`` (SwiGLU),
+``apply_rope_fusion`` (RoPE), ``masked_softmax_fusion`` (softmax), ``cross_entropy_loss_fusion``.
+A provider entry of None leaves megatron's own implementation in place.
+"""
+
+from adapter import kernels
+
+_BACKENDS = "megatron.core.models.backends:LocalSpecProvider"
+_ROPE = "megatron.core.models.common.embeddings.rope_utils"
+_SOFTMAX = "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax"
+
+
+def _spec_layer_norm(self, rms_norm: bool = False, for_qk: bool = False):
+    """LocalSpecProvider.layer_norm: the provider's norm reads config.normalization itself."""
+    return kernels.norm_module()
+
+
+def _spec_core_attention(self):
+    return kernels.core_attention_module()
+
+
+def _fused_interleaved_rope_allowed(post_init):
+    """TransformerConfig.__post_init__ asks for Transformer Engine >= 2.3 before it lets fused RoPE rotate
+    interleaved pairs; the provider's fused RoPE does that itself, so the check runs with fusion off."""
+
+    def __post_init__(self):
+        if not (self.apply_rope_fusion and self.rotary_interleaved and not self.multi_latent_attention):
+            return post_init(self)
+        self.apply_rope_fusion = False
+        try:
+            post_init(self)
+        finally:
+            self.apply_rope_fusion = True
+
+    return __post_init__
+
+
+def register(registry, versions: str) -> None:
+    provider = kernels.current()
+    registry.replace(f"{_BACKENDS}.layer_norm", _spec_layer_norm, versions=versions,
+                     reason="the local spec's norm is the kernel provider's (supports sequence parallel)")
+    registry.replace(f"{_BACKENDS}.core_attention", _spec_core_attention, versions=versions,
+                     reason="the local spec's core attention is the kernel provider's flash attention")
+    if provider.installed_norm() is None:
+        for target in ("megatron.core.transformer.transformer_block:LayerNormImpl",
+                       "megatron.core.models.gpt.gpt_layer_specs:LNImpl"):
+            registry.replace(target, provider.Norm, versions=versions, rebind_copies=False,
+                             reason="the final norm of a block built from a layer spec is the provider's")
+    if provider.bias_swiglu is not None:
+        registry.replace("megatron.core.fusions.fused_bias_swiglu:bias_swiglu_impl", provider.bias_swiglu,
+                         versions=versions, reason="bias_activation_fusion SwiGLU runs the provider's kernel")
+    if provider.rope is not None:
+        registry.replace(f"{_ROPE}:fused_apply_rotary_pos_emb", provider.rope, versions=versions,
+                         rebind_copies=False, reason="apply_rope_fusion runs the provider's RoPE kernel")
+        registry.replace(f"{_ROPE}:fused_apply_rotary_pos_emb_thd", provider.rope_thd, versions=versions,
+                         rebind_copies=False,
+                         reason="apply_rope_fusion on packed sequences runs the provider's RoPE kernel")
+        registry.wrap("megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
+                      _fused_interleaved_rope_allowed, versions=versions,
+                      reason="fused interleaved RoPE needs no Transformer Engine version here")
+    if provider.softmax_fusable is not None:
+        registry.replace(f"{_SOFTMAX}.is_kernel_available", provider.softmax_fusable, versions=versions,
+                         reason="masked_softmax_fusion is decided by the provider's softmax kernel")
+    if provider.scaled_masked_softmax is not None:
+        registry.replace(f"{_SOFTMAX}.forward_fused_softmax", provider.scaled_masked_softmax,
+                         versions=versions, reason="masked_softmax_fusion runs the provider's softmax kernel")
+    if provider.vocab_parallel_cross_entropy is not None:
+        registry.replace("megatron.core.fusions.fused_cross_entropy:fused_vocab_parallel_cross_entropy",
+                         provider.vocab_parallel_cross_entropy, versions=versions,
+                         reason="cross_entropy_loss_fusion runs the provider's cross entropy")

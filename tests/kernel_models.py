@@ -1,0 +1,72 @@
+"""Rank function: the tiny GPT through the process's kernel provider against the same GPT on megatron's
+own local modules. Run in a fresh process so ``ADAPTER_KERNELS`` picks the provider."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import adapter  # noqa: F401 - before megatron
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from adapter import kernels
+from models.gpt import FLAVORS, transformer_config
+from tests.kernel_reference import one_rank_model_parallel
+
+def _megatron_local_block(config) -> TransformerBlockSubmodules:
+    """megatron's local layer spec with its own norm and DotProductAttention put back."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    attention = spec.submodules.self_attention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, core_attention=DotProductAttention))
+    layer = dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, input_layernorm=WrappedTorchNorm, pre_mlp_layernorm=WrappedTorchNorm,
+        self_attention=attention))
+    return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=WrappedTorchNorm)
+
+
+def _gpt(flavor, config, spec) -> GPTModel:
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=flavor.vocab_size,
+                    max_sequence_length=flavor.seq_length, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False)
+
+
+def _loss_and_grads(model, tokens, labels):
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    loss = model(tokens, positions, attention_mask=None, labels=labels).mean()
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def compare_with_megatron_local(fusion_flags: dict, flavor_name: str = "tiny") -> dict:
+    with one_rank_model_parallel():
+        flavor = FLAVORS[flavor_name]
+        torch.manual_seed(0)
+        ours = _gpt(flavor, transformer_config(flavor, **fusion_flags),
+                    get_gpt_layer_local_spec(normalization="RMSNorm"))
+        plain = transformer_config(flavor)
+        reference = _gpt(flavor, plain, _megatron_local_block(plain))
+        reference.load_state_dict(ours.state_dict())
+        generator = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, flavor.vocab_size, (2, flavor.seq_length), generator=generator)
+        labels = torch.roll(tokens, -1, dims=1)
+        loss, grads = _loss_and_grads(ours, tokens, labels)
+        ref_loss, ref_grads = _loss_and_grads(reference, tokens, labels)
+        layer = ours.decoder.layers[0]
+        result = dict(
+            provider=kernels.current().NAME, loss=loss, reference_loss=ref_loss,
+            grad_names=sorted(grads) == sorted(ref_grads),
+            max_grad_diff=max((grads[n] - ref_grads[n]).abs().max().item() for n in grads),
+            modules=[type(m).__name__ for m in (layer.input_layernorm, layer.pre_mlp_layernorm,
+                                                layer.self_attention.core_attention,
+                                                ours.decoder.final_layernorm)])
+        try:
+            import torch_npu
+        except ImportError:
+            return result
+        result["npu_calls"] = dict(torch_npu.CALLS)
+        return result

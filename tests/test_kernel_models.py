@@ -1,0 +1,40 @@
+"""The tiny GPT with fusion flags on, through megatron's own ``get_gpt_layer_local_spec``: the kernel
+provider's modules and kernels are what it gets, and its loss and gradients are megatron's local ones."""
+
+import pytest
+
+from tests.conftest import DOUBLES
+from tests.distributed import run_ranks
+from tests.kernel_models import compare_with_megatron_local
+
+pytestmark = pytest.mark.multiproc
+
+ALL_FUSIONS = dict(apply_rope_fusion=True, bias_activation_fusion=True, masked_softmax_fusion=True,
+                   cross_entropy_loss_fusion=True)
+# The cuda provider keeps megatron's RoPE and cross entropy: without Transformer Engine megatron itself
+# refuses apply_rope_fusion, and its native fused cross entropy is torch.compile'd (a GPU-run matter).
+CUDA_FUSIONS = dict(bias_activation_fusion=True, masked_softmax_fusion=True)
+
+PROVIDERS = {
+    "torch": ({"ADAPTER_KERNELS": "torch"}, ALL_FUSIONS, ["TorchNorm", "TorchCoreAttention"]),
+    "npu": ({"ADAPTER_KERNELS": "npu", "PYTHONPATH": str(DOUBLES)}, ALL_FUSIONS,
+            ["NpuNorm", "NpuCoreAttention"]),
+    "cuda": ({"ADAPTER_KERNELS": "cuda"}, CUDA_FUSIONS, ["CudaNorm", "CudaCoreAttention"]),
+}
+
+
+@pytest.mark.parametrize("name", list(PROVIDERS))
+def test_tiny_gpt_through_the_local_spec_matches_megatron_local_modules(name):
+    env, fusions, (norm, attention) = PROVIDERS[name]
+    result = run_ranks(1, compare_with_megatron_local, fusions, env={"ADAPTER_BACKEND": "cpu", **env})[0]
+    assert result["provider"] == name
+    assert result["modules"] == [norm, norm, attention, norm]
+    assert result["grad_names"]
+    assert result["loss"] == pytest.approx(result["reference_loss"], abs=1e-5)
+    assert result["max_grad_diff"] < 1e-5
+    if name == "npu":
+        calls = result["npu_calls"]
+        # fp32: the fused softmax (fp16/bf16 only) stays out; every other op went through torch_npu
+        for op in ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_fusion_attention",
+                   "npu_cross_entropy_loss"):
+            assert calls.get(op, 0) > 0, f"torch_npu.{op} was not called: {calls}"

@@ -1,0 +1,225 @@
+"""Every fused op x every kernel provider, forward and backward, against megatron's own local path.
+
+The npu provider runs on CPU tensors against the torch_npu double (tests/doubles), so what is tested is
+its dispatch and argument building; ``torch_npu.CALLS`` proves the torch_npu op really ran. The cuda
+provider runs its PyTorch-SDPA path here (no GPU, no flash-attn, no Transformer Engine).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+from megatron.core.models.common.embeddings.rope_utils import (
+    _apply_rotary_pos_emb_bshd,
+    _apply_rotary_pos_emb_thd,
+)
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.utils import attention_mask_func
+
+from adapter import kernels
+from tests.kernel_reference import (
+    assert_all_close,
+    attention_config,
+    forward_backward,
+    leaves,
+    megatron_attention,
+    megatron_swiglu,
+    one_rank_model_parallel,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture
+def npu_kernels(torch_npu_double):
+    """The npu provider module, imported against the double (and forgotten afterwards)."""
+    sys.modules.pop("adapter.kernels.npu_provider", None)
+    torch_npu_double.CALLS.clear()
+    yield importlib.import_module("adapter.kernels.npu_provider")
+    sys.modules.pop("adapter.kernels.npu_provider", None)
+
+
+@pytest.fixture(params=["torch", "cuda", "npu"])
+def provider(request):
+    if request.param == "npu":
+        return request.getfixturevalue("npu_kernels")
+    return kernels.select_provider(request.param)
+
+
+@pytest.fixture(scope="module")
+def model_parallel():
+    with one_rank_model_parallel():
+        yield
+
+
+def _called(provider, op: str) -> None:
+    if provider.NAME == "npu":
+        assert sys.modules["torch_npu"].CALLS[op] > 0, f"the npu provider did not call torch_npu.{op}"
+
+
+def _randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- norms
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_norm_matches_megatron_local_norm(provider, normalization, dtype):
+    config = attention_config(dtype=dtype, normalization=normalization)
+    ours = kernels.norm_module(provider)(config, hidden_size=128, eps=1e-5)
+    reference = WrappedTorchNorm(config, hidden_size=128, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        for param in (*ours.parameters(), *reference.parameters()):
+            param.copy_(_randn(*param.shape, seed=3) * 0.1 + 1)
+    x = _randn(6, 2, 128, dtype=dtype)
+    got = forward_backward(ours, leaves(x)) + [p.grad for p in ours.parameters()]
+    want = forward_backward(reference, leaves(x)) + [p.grad for p in reference.parameters()]
+    assert_all_close(got, want, dtype)
+    if normalization == "RMSNorm":
+        _called(provider, "npu_rms_norm")
+
+
+def test_norm_marks_parameters_for_the_sequence_parallel_all_reduce():
+    config = attention_config(normalization="LayerNorm", sequence_parallel=True,
+                              tensor_model_parallel_size=2)
+    norm = kernels.norm_module(kernels.select_provider("torch"))(config, hidden_size=128)
+    assert [p.sequence_parallel for p in norm.parameters()] == [True, True]
+
+
+def test_zero_centered_gamma_stores_gamma_minus_one():
+    config = attention_config(normalization="RMSNorm", layernorm_zero_centered_gamma=True)
+    norm = kernels.norm_module(kernels.select_provider("torch"))(config, hidden_size=128)
+    assert torch.count_nonzero(norm.weight) == 0
+    x = _randn(4, 128)
+    torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (128,), eps=1e-5))
+
+
+def test_unknown_normalization_is_refused_by_name():
+    config = attention_config(normalization="L2Norm")
+    with pytest.raises(kernels.UnsupportedKernelSetting, match="'L2Norm'.*RMSNorm"):
+        kernels.norm_module(kernels.select_provider("torch"))(config, hidden_size=128)
+
+
+# --------------------------------------------------------------------------------------------- SwiGLU
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_swiglu_matches_megatron_unfused_glu(provider, with_bias, dtype):
+    swiglu = provider.bias_swiglu or bias_swiglu_impl
+    x, bias = _randn(8, 2, 64, dtype=dtype), _randn(64, dtype=dtype, seed=1)
+    inputs = leaves(x, bias) if with_bias else leaves(x) + [None]
+    got = forward_backward(swiglu, inputs)
+    ref_inputs = leaves(x, bias) if with_bias else leaves(x) + [None]
+    want = forward_backward(megatron_swiglu, ref_inputs)
+    assert_all_close(got, want, dtype)
+    _called(provider, "npu_swiglu")
+
+
+# ----------------------------------------------------------------------------------------------- RoPE
+def _angles(seq: int, rot: int, interleaved: bool) -> torch.Tensor:
+    """Angles laid out as megatron's RotaryEmbedding lays them out, [s, 1, 1, rot]."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+    freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
+    if interleaved:
+        emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :]
+
+
+def _needs_rope(provider):
+    if provider.rope is None:
+        pytest.skip("the cuda provider keeps megatron's RoPE (Transformer Engine's when installed)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rot", [32, 16], ids=["full", "partial"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_rope_matches_megatron_unfused_rope(provider, interleaved, rot, dtype):
+    _needs_rope(provider)
+    t, freqs = _randn(12, 2, 4, 32, dtype=dtype), _angles(12, rot, interleaved)
+    got = forward_backward(lambda x: provider.rope(x, freqs, interleaved=interleaved), leaves(t))
+    want = forward_backward(
+        lambda x: _apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=interleaved), leaves(t))
+    assert_all_close(got, want, dtype)
+    _called(provider, "npu_rotary_mul")
+
+
+class _OneRankGroup:
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_rope_restarts_positions_per_sequence(provider, dtype):
+    _needs_rope(provider)
+    cu_seqlens = torch.tensor([0, 5, 12, 20], dtype=torch.int32)
+    t, freqs = _randn(20, 4, 32, dtype=dtype), _angles(16, 32, False)
+    got = forward_backward(lambda x: provider.rope_thd(x, cu_seqlens, freqs), leaves(t))
+    want = forward_backward(lambda x: _apply_rotary_pos_emb_thd(x, cu_seqlens, freqs,
+                                                                 cp_group=_OneRankGroup()), leaves(t))
+    assert_all_close(got, want, dtype)
+
+
+# -------------------------------------------------------------------------------------------- softmax
+def _softmax(mask_type, dtype, fusion=True):
+    return FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=dtype == torch.bfloat16,
+                                 attn_mask_type=mask_type, scaled_masked_softmax_fusion=fusion,
+                                 mask_func=attention_mask_func, softmax_in_fp32=True, scale=0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask_type", [AttnMaskType.causal, AttnMaskType.padding])
+def test_scaled_masked_softmax_matches_megatron_torch_softmax(provider, mask_type, dtype, model_parallel):
+    softmax = _softmax(mask_type, dtype)
+    scores = _randn(2, 4, 32, 64 if mask_type == AttnMaskType.padding else 32, dtype=dtype)
+    mask = None
+    if mask_type == AttnMaskType.padding:
+        mask = torch.zeros(2, 1, 32, 64, dtype=torch.bool)
+        mask[0, ..., 40:] = True
+    want = forward_backward(lambda x: softmax.forward_torch_softmax(x, mask), leaves(scores))
+    if provider.scaled_masked_softmax is None:
+        # torch/cuda without apex's extension: megatron's torch softmax runs even with fusion requested
+        assert not provider.softmax_fusable(softmax, mask, *scores.shape)
+        got = forward_backward(lambda x: softmax(x, mask), leaves(scores))
+    else:
+        assert provider.softmax_fusable(softmax, mask, *scores.shape) == (dtype == torch.bfloat16)
+        got = forward_backward(lambda x: provider.scaled_masked_softmax(softmax, x, mask), leaves(scores))
+        _called(provider, "npu_scaled_masked_softmax")
+    assert_all_close(got, want, dtype)
+
+
+def test_npu_softmax_is_not_used_where_its_kernel_cannot_run(npu_kernels):
+    softmax = _softmax(AttnMaskType.causal, torch.bfloat16)
+    assert not npu_kernels.softmax_fusable(softmax, None, 2, 4, 16, 16)  # below 32
+    assert not npu_kernels.softmax_fusable(softmax, None, 2, 4, 48, 48)  # not a multiple of 32
+    assert not npu_kernels.softmax_fusable(_softmax(AttnMaskType.causal, torch.bfloat16, fusion=False),
+                                           None, 2, 4, 32, 32)
+    windowed = _softmax(AttnMaskType.causal, torch.bfloat16)
+    windowed.window_size = (8, 0)
+    assert not npu_kernels.softmax_fusable(windowed, None, 2, 4, 32, 32)
+
+
+# -------------------------------------------------------------------------------------- cross entropy
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy_matches_megatron_vocab_parallel_cross_entropy(provider, dtype, model_parallel):
+    if provider.vocab_parallel_cross_entropy is None:
+        pytest.skip("the cuda provider keeps megatron's fused cross entropy (torch.compile'd; GPU only)")
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    logits, target = _randn(6, 2, 50, dtype=dtype) * 3, torch.randint(0, 50, (6, 2))
+    got = forward_backward(lambda x: provider.vocab_parallel_cross_entropy(x, target, group), leaves(logits))
+    want = forward_backward(lambda x: vocab_parallel_cross_entropy(x.float(), target), leaves(logits))
+    assert_all_close(got, want, dtype)
+    _called(provider, "npu_cross_entropy_loss")
