@@ -69,4 +69,8 @@ def compare_with_megatron_local(fusion_flags: dict, flavor_name: str = "tiny") -
         except ImportError:
             return result
         result["npu_calls"] = dict(torch_npu.CALLS)
+        # the provider's modules with every fusion flag off: megatron's unfused functions run
+        torch_npu.CALLS.clear()
+        _loss_and_grads(_gpt(flavor, plain, get_gpt_layer_local_spec(normalization="RMSNorm")), tokens, labels)
+        result["npu_calls_flags_off"] = dict(torch_npu.CALLS)
         return result

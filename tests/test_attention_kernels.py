@@ -75,6 +75,15 @@ def test_attention_matches_megatron_dot_product_attention(provider, case, groups
     _called(provider, "npu_fusion_attention")
 
 
+def test_causal_mask_type_ignores_the_mask_argument_as_transformer_engine_does(provider):
+    """Megatron-LM's data loader hands the causal mask itself to a causal layer; TE ignores it and uses
+    the kernel's causal mode, and so does every provider here."""
+    config = attention_config(groups=4)
+    module = _ours(provider, config, AttnMaskType.causal)
+    q, k, v = _qkv(4, torch.float32)
+    torch.testing.assert_close(module(q, k, v, _key_padding_mask()), module(q, k, v, None))
+
+
 def test_gqa_reaches_the_npu_kernel_unexpanded(npu_kernels, monkeypatch):
     import torch_npu
 

@@ -38,3 +38,5 @@ def test_tiny_gpt_through_the_local_spec_matches_megatron_local_modules(name):
         for op in ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_fusion_attention",
                    "npu_cross_entropy_loss"):
             assert calls.get(op, 0) > 0, f"torch_npu.{op} was not called: {calls}"
+        # flags off: the spec's modules still use torch_npu, the flag-gated functions do not
+        assert sorted(result["npu_calls_flags_off"]) == ["npu_fusion_attention", "npu_rms_norm"]

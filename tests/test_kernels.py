@@ -223,3 +223,66 @@ def test_cross_entropy_matches_megatron_vocab_parallel_cross_entropy(provider, d
     want = forward_backward(lambda x: vocab_parallel_cross_entropy(x.float(), target), leaves(logits))
     assert_all_close(got, want, dtype)
     _called(provider, "npu_cross_entropy_loss")
+
+
+# ---------------------------------------------------------------------------------- provider choice
+def test_unknown_provider_is_refused_naming_the_choices(monkeypatch):
+    monkeypatch.setenv("ADAPTER_KERNELS", "triton")
+    with pytest.raises(kernels.KernelProviderUnavailable, match="'triton'.*npu, cuda, torch"):
+        kernels.select_provider()
+
+
+def test_npu_provider_without_torch_npu_says_what_is_missing():
+    assert "torch_npu" not in sys.modules
+    with pytest.raises(kernels.KernelProviderUnavailable, match="needs torch_npu"):
+        kernels.select_provider("npu")
+
+
+def test_provider_follows_the_backend_unless_overridden(monkeypatch):
+    monkeypatch.delenv("ADAPTER_KERNELS", raising=False)
+    assert kernels.select_provider().NAME == "torch"  # this machine's backend is cpu
+    assert kernels.select_provider("CUDA").NAME == "cuda"
+
+
+def test_every_provider_defines_the_whole_api(provider):
+    assert [name for name in kernels.PROVIDER_API if not hasattr(provider, name)] == []
+
+
+def test_importing_adapter_leaves_megatron_unimported():
+    import subprocess
+
+    code = "import adapter, sys; print(sorted(m for m in sys.modules if m.startswith('megatron')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------ fusion flags and the config
+def test_fused_interleaved_rope_config_needs_no_transformer_engine():
+    config = attention_config(apply_rope_fusion=True, rotary_interleaved=True)
+    assert config.apply_rope_fusion and config.rotary_interleaved
+
+
+def test_fused_interleaved_rope_on_packed_sequences_is_refused(model_parallel):
+    config = attention_config(groups=2, apply_rope_fusion=True, rotary_interleaved=True)
+    module = kernels.core_attention_module(kernels.select_provider("torch"))(
+        config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    bounds = torch.tensor([0, 16, 32], dtype=torch.int32)
+    q, kv = _randn(32, 8, 16), _randn(32, 2, 16)
+    with pytest.raises(kernels.UnsupportedKernelSetting, match="apply_rope_fusion=False"):
+        module(q, kv, kv, None, packed_seq_params=PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds))
+
+
+def test_fusion_flags_reach_the_provider_through_megatron():
+    """With the flags on, megatron's own call sites land in the torch provider's functions."""
+    from megatron.core.fusions import fused_cross_entropy
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.language_module import language_module
+
+    torch_kernels = kernels.current()
+    assert torch_kernels.NAME == "torch"
+    assert rope_utils.fused_apply_rotary_pos_emb is torch_kernels.rope
+    assert rope_utils.fused_apply_rotary_pos_emb_thd is torch_kernels.rope_thd
+    assert language_module.fused_vocab_parallel_cross_entropy is torch_kernels.vocab_parallel_cross_entropy
+    assert fused_cross_entropy.fused_vocab_parallel_cross_entropy is torch_kernels.vocab_parallel_cross_entropy
+    assert FusedScaleMaskSoftmax.is_kernel_available is torch_kernels.softmax_fusable

@@ -93,12 +93,8 @@ def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=N
         return out.transpose(0, 1).reshape(sq, b, -1)
     if cu_seqlens_q is None:
         return _sdpa_dense(q, k, v, scale, causal, mask, window, dropout_p)
-    bounds_q, bounds_kv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
-    outputs = [
-        _sdpa_dense(q[q0:q1].unsqueeze(1), k[k0:k1].unsqueeze(1), v[k0:k1].unsqueeze(1),
-                    scale, causal, None, window, dropout_p).squeeze(1)
-        for q0, q1, k0, k1 in zip(bounds_q[:-1], bounds_q[1:], bounds_kv[:-1], bounds_kv[1:])]
-    return torch.cat(outputs)
+    return torch_provider.per_sequence(_sdpa_dense, q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, causal,
+                                       window, dropout_p)
 
 
 def _no_softmax_extension(self, mask, b, np, sq, sk) -> bool:

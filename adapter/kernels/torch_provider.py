@@ -71,10 +71,16 @@ def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=N
                                    "query heads must be a multiple of the key/value groups")
     if cu_seqlens_q is None:
         return _dense_attention(q, k, v, scale, causal, mask, window, dropout_p)
+    return per_sequence(_dense_attention, q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, causal, window,
+                        dropout_p)
+
+
+def per_sequence(dense, q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, causal, window, dropout_p):
+    """Packed attention as one ``dense`` call per sequence (a batch of one, no cross-sequence keys)."""
     bounds_q, bounds_kv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
     outputs = [
-        _dense_attention(q[q0:q1].unsqueeze(1), k[k0:k1].unsqueeze(1), v[k0:k1].unsqueeze(1),
-                         scale, causal, None, window, dropout_p).squeeze(1)
+        dense(q[q0:q1].unsqueeze(1), k[k0:k1].unsqueeze(1), v[k0:k1].unsqueeze(1),
+              scale, causal, None, window, dropout_p).squeeze(1)
         for q0, q1, k0, k1 in zip(bounds_q[:-1], bounds_q[1:], bounds_kv[:-1], bounds_kv[1:])]
     return torch.cat(outputs)
 
