@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -30,3 +31,22 @@ def torch_npu_double(monkeypatch):
         yield torch_npu
     finally:
         _drop_torch_npu_modules()
+
+
+@pytest.fixture
+def npu_kernels(torch_npu_double):
+    """The npu kernel provider module, imported against the double (and forgotten afterwards)."""
+    sys.modules.pop("adapter.kernels.npu_provider", None)
+    torch_npu_double.CALLS.clear()
+    yield importlib.import_module("adapter.kernels.npu_provider")
+    sys.modules.pop("adapter.kernels.npu_provider", None)
+
+
+@pytest.fixture(params=["torch", "cuda", "npu"])
+def provider(request):
+    """Each kernel provider in turn; the npu one runs against the torch_npu double."""
+    from adapter import kernels
+
+    if request.param == "npu":
+        return request.getfixturevalue("npu_kernels")
+    return kernels.select_provider(request.param)

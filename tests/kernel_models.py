@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import adapter  # noqa: F401 - before megatron
+import adapter  # noqa: F401 - before megatron, as a user script does
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -4,6 +4,7 @@ the shared setup for kernel tests (configs, a one-rank model-parallel world, tol
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -74,3 +75,13 @@ def forward_backward(fn, inputs, grad_seed: int = 7, rows=None):
 def assert_all_close(actual, expected, dtype) -> None:
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a.float(), e.float(), **TOLERANCE[dtype])
+
+
+def called(provider, op: str) -> None:
+    """For the npu provider: assert torch_npu's ``op`` really ran (the double counts its calls)."""
+    if provider.NAME == "npu":
+        assert sys.modules["torch_npu"].CALLS[op] > 0, f"the npu provider did not call torch_npu.{op}"
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)

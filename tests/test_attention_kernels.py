@@ -12,12 +12,13 @@ from adapter import kernels
 from tests.kernel_reference import (
     assert_all_close,
     attention_config,
+    called,
     forward_backward,
     leaves,
     megatron_attention,
     one_rank_model_parallel,
+    randn,
 )
-from tests.test_kernels import _called, _randn, npu_kernels, provider  # noqa: F401 - fixtures
 
 DTYPES = [torch.float32, torch.bfloat16]
 SEQ, BATCH, HEADS, HEAD_DIM = 32, 2, 8, 16
@@ -32,9 +33,9 @@ def model_parallel():
 
 def _qkv(groups: int, dtype, seq: int = SEQ, batch: int | None = BATCH):
     shape = (seq, batch) if batch is not None else (seq,)
-    return (_randn(*shape, HEADS, HEAD_DIM, dtype=dtype, seed=1),
-            _randn(*shape, groups, HEAD_DIM, dtype=dtype, seed=2),
-            _randn(*shape, groups, HEAD_DIM, dtype=dtype, seed=3))
+    return (randn(*shape, HEADS, HEAD_DIM, dtype=dtype, seed=1),
+            randn(*shape, groups, HEAD_DIM, dtype=dtype, seed=2),
+            randn(*shape, groups, HEAD_DIM, dtype=dtype, seed=3))
 
 
 def _key_padding_mask() -> torch.Tensor:
@@ -72,7 +73,7 @@ def test_attention_matches_megatron_dot_product_attention(provider, case, groups
     got = forward_backward(lambda *x: _ours(provider, config, ours_type)(*x, ours_mask()), leaves(q, k, v))
     want = forward_backward(lambda *x: megatron_attention(config, ref_type)(*x, ref_mask()), leaves(q, k, v))
     assert_all_close(got, want, dtype)
-    _called(provider, "npu_fusion_attention")
+    called(provider, "npu_fusion_attention")
 
 
 def test_causal_mask_type_ignores_the_mask_argument_as_transformer_engine_does(provider):

@@ -7,7 +7,6 @@ provider runs its PyTorch-SDPA path here (no GPU, no flash-attn, no Transformer 
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import pytest
@@ -28,45 +27,21 @@ from adapter import kernels
 from tests.kernel_reference import (
     assert_all_close,
     attention_config,
+    called,
     forward_backward,
     leaves,
-    megatron_attention,
     megatron_swiglu,
     one_rank_model_parallel,
+    randn,
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture
-def npu_kernels(torch_npu_double):
-    """The npu provider module, imported against the double (and forgotten afterwards)."""
-    sys.modules.pop("adapter.kernels.npu_provider", None)
-    torch_npu_double.CALLS.clear()
-    yield importlib.import_module("adapter.kernels.npu_provider")
-    sys.modules.pop("adapter.kernels.npu_provider", None)
-
-
-@pytest.fixture(params=["torch", "cuda", "npu"])
-def provider(request):
-    if request.param == "npu":
-        return request.getfixturevalue("npu_kernels")
-    return kernels.select_provider(request.param)
 
 
 @pytest.fixture(scope="module")
 def model_parallel():
     with one_rank_model_parallel():
         yield
-
-
-def _called(provider, op: str) -> None:
-    if provider.NAME == "npu":
-        assert sys.modules["torch_npu"].CALLS[op] > 0, f"the npu provider did not call torch_npu.{op}"
-
-
-def _randn(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------- norms
@@ -78,13 +53,13 @@ def test_norm_matches_megatron_local_norm(provider, normalization, dtype):
     reference = WrappedTorchNorm(config, hidden_size=128, eps=1e-5).to(dtype)
     with torch.no_grad():
         for param in (*ours.parameters(), *reference.parameters()):
-            param.copy_(_randn(*param.shape, seed=3) * 0.1 + 1)
-    x = _randn(6, 2, 128, dtype=dtype)
+            param.copy_(randn(*param.shape, seed=3) * 0.1 + 1)
+    x = randn(6, 2, 128, dtype=dtype)
     got = forward_backward(ours, leaves(x)) + [p.grad for p in ours.parameters()]
     want = forward_backward(reference, leaves(x)) + [p.grad for p in reference.parameters()]
     assert_all_close(got, want, dtype)
     if normalization == "RMSNorm":
-        _called(provider, "npu_rms_norm")
+        called(provider, "npu_rms_norm")
 
 
 def test_norm_marks_parameters_for_the_sequence_parallel_all_reduce():
@@ -98,7 +73,7 @@ def test_zero_centered_gamma_stores_gamma_minus_one():
     config = attention_config(normalization="RMSNorm", layernorm_zero_centered_gamma=True)
     norm = kernels.norm_module(kernels.select_provider("torch"))(config, hidden_size=128)
     assert torch.count_nonzero(norm.weight) == 0
-    x = _randn(4, 128)
+    x = randn(4, 128)
     torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (128,), eps=1e-5))
 
 
@@ -113,13 +88,13 @@ def test_unknown_normalization_is_refused_by_name():
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_swiglu_matches_megatron_unfused_glu(provider, with_bias, dtype):
     swiglu = provider.bias_swiglu or bias_swiglu_impl
-    x, bias = _randn(8, 2, 64, dtype=dtype), _randn(64, dtype=dtype, seed=1)
+    x, bias = randn(8, 2, 64, dtype=dtype), randn(64, dtype=dtype, seed=1)
     inputs = leaves(x, bias) if with_bias else leaves(x) + [None]
     got = forward_backward(swiglu, inputs)
     ref_inputs = leaves(x, bias) if with_bias else leaves(x) + [None]
     want = forward_backward(megatron_swiglu, ref_inputs)
     assert_all_close(got, want, dtype)
-    _called(provider, "npu_swiglu")
+    called(provider, "npu_swiglu")
 
 
 # ----------------------------------------------------------------------------------------------- RoPE
@@ -144,12 +119,12 @@ def _needs_rope(provider):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_rope_matches_megatron_unfused_rope(provider, interleaved, rot, dtype):
     _needs_rope(provider)
-    t, freqs = _randn(12, 2, 4, 32, dtype=dtype), _angles(12, rot, interleaved)
+    t, freqs = randn(12, 2, 4, 32, dtype=dtype), _angles(12, rot, interleaved)
     got = forward_backward(lambda x: provider.rope(x, freqs, interleaved=interleaved), leaves(t))
     want = forward_backward(
         lambda x: _apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=interleaved), leaves(t))
     assert_all_close(got, want, dtype)
-    _called(provider, "npu_rotary_mul")
+    called(provider, "npu_rotary_mul")
 
 
 class _OneRankGroup:
@@ -164,7 +139,7 @@ class _OneRankGroup:
 def test_packed_rope_restarts_positions_per_sequence(provider, dtype):
     _needs_rope(provider)
     cu_seqlens = torch.tensor([0, 5, 12, 20], dtype=torch.int32)
-    t, freqs = _randn(20, 4, 32, dtype=dtype), _angles(16, 32, False)
+    t, freqs = randn(20, 4, 32, dtype=dtype), _angles(16, 32, False)
     got = forward_backward(lambda x: provider.rope_thd(x, cu_seqlens, freqs), leaves(t))
     want = forward_backward(lambda x: _apply_rotary_pos_emb_thd(x, cu_seqlens, freqs,
                                                                  cp_group=_OneRankGroup()), leaves(t))
@@ -182,7 +157,7 @@ def _softmax(mask_type, dtype, fusion=True):
 @pytest.mark.parametrize("mask_type", [AttnMaskType.causal, AttnMaskType.padding])
 def test_scaled_masked_softmax_matches_megatron_torch_softmax(provider, mask_type, dtype, model_parallel):
     softmax = _softmax(mask_type, dtype)
-    scores = _randn(2, 4, 32, 64 if mask_type == AttnMaskType.padding else 32, dtype=dtype)
+    scores = randn(2, 4, 32, 64 if mask_type == AttnMaskType.padding else 32, dtype=dtype)
     mask = None
     if mask_type == AttnMaskType.padding:
         mask = torch.zeros(2, 1, 32, 64, dtype=torch.bool)
@@ -195,7 +170,7 @@ def test_scaled_masked_softmax_matches_megatron_torch_softmax(provider, mask_typ
     else:
         assert provider.softmax_fusable(softmax, mask, *scores.shape) == (dtype == torch.bfloat16)
         got = forward_backward(lambda x: provider.scaled_masked_softmax(softmax, x, mask), leaves(scores))
-        _called(provider, "npu_scaled_masked_softmax")
+        called(provider, "npu_scaled_masked_softmax")
     assert_all_close(got, want, dtype)
 
 
@@ -218,11 +193,11 @@ def test_cross_entropy_matches_megatron_vocab_parallel_cross_entropy(provider, d
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
-    logits, target = _randn(6, 2, 50, dtype=dtype) * 3, torch.randint(0, 50, (6, 2))
+    logits, target = randn(6, 2, 50, dtype=dtype) * 3, torch.randint(0, 50, (6, 2))
     got = forward_backward(lambda x: provider.vocab_parallel_cross_entropy(x, target, group), leaves(logits))
     want = forward_backward(lambda x: vocab_parallel_cross_entropy(x.float(), target), leaves(logits))
     assert_all_close(got, want, dtype)
-    _called(provider, "npu_cross_entropy_loss")
+    called(provider, "npu_cross_entropy_loss")
 
 
 # ---------------------------------------------------------------------------------- provider choice
@@ -267,7 +242,7 @@ def test_fused_interleaved_rope_on_packed_sequences_is_refused(model_parallel):
     module = kernels.core_attention_module(kernels.select_provider("torch"))(
         config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     bounds = torch.tensor([0, 16, 32], dtype=torch.int32)
-    q, kv = _randn(32, 8, 16), _randn(32, 2, 16)
+    q, kv = randn(32, 8, 16), randn(32, 2, 16)
     with pytest.raises(kernels.UnsupportedKernelSetting, match="apply_rope_fusion=False"):
         module(q, kv, kv, None, packed_seq_params=PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds))
