@@ -74,3 +74,34 @@ def compare_with_megatron_local(fusion_flags: dict, flavor_name: str = "tiny") -
         _loss_and_grads(_gpt(flavor, plain, get_gpt_layer_local_spec(normalization="RMSNorm")), tokens, labels)
         result["npu_calls_flags_off"] = dict(torch_npu.CALLS)
         return result
+
+
+def cross_entropy_across_tensor_parallel_ranks() -> float:
+    """Largest difference, loss and logit gradient, between the adapter's vocab-parallel cross entropy
+    and megatron's on this rank's vocabulary slice."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from adapter.kernels.cross_entropy import vocab_parallel_cross_entropy as ours
+
+    adapter.init_distributed()
+    parallel_state.initialize_model_parallel(torch.distributed.get_world_size(), 1)
+    try:
+        group = parallel_state.get_tensor_model_parallel_group()
+        vocab, rank, size = 64, group.rank(), group.size()
+        generator = torch.Generator().manual_seed(5)
+        logits = torch.randn(6, 2, vocab, generator=generator) * 3
+        target = torch.randint(0, vocab, (6, 2), generator=generator)
+        local = logits[..., rank * vocab // size:(rank + 1) * vocab // size]
+        results = []
+        for fn in (lambda x: ours(x, target, group), lambda x: vocab_parallel_cross_entropy(x, target)):
+            x = local.clone().requires_grad_(True)
+            loss = fn(x)
+            (loss * torch.arange(loss.numel()).view(loss.shape)).sum().backward()
+            results.append((loss.detach(), x.grad))
+        (loss, grad), (ref_loss, ref_grad) = results
+        return max((loss - ref_loss).abs().max().item(), (grad - ref_grad).abs().max().item())
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -40,3 +40,10 @@ def test_tiny_gpt_through_the_local_spec_matches_megatron_local_modules(name):
             assert calls.get(op, 0) > 0, f"torch_npu.{op} was not called: {calls}"
         # flags off: the spec's modules still use torch_npu, the flag-gated functions do not
         assert sorted(result["npu_calls_flags_off"]) == ["npu_fusion_attention", "npu_rms_norm"]
+
+
+def test_vocab_parallel_cross_entropy_matches_megatron_across_two_ranks():
+    """The split-vocabulary path (torch provider, and npu above TP 1): one MAX and one SUM all-reduce."""
+    from tests.kernel_models import cross_entropy_across_tensor_parallel_ranks
+
+    assert max(run_ranks(2, cross_entropy_across_tensor_parallel_ranks)) < 1e-5

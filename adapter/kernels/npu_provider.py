@@ -158,13 +158,17 @@ def scaled_masked_softmax(self, input, mask):
     return torch_npu.npu_scaled_masked_softmax(input, mask, scale, False)
 
 
+MAX_CROSS_ENTROPY_ROWS = 200_000  # npu_cross_entropy_loss's documented limit on N
+
+
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group):
-    """npu_cross_entropy_loss where one rank holds the whole vocabulary; across a split vocabulary the
-    loss needs the all-reduces of the torch version."""
-    if tp_group is not None and tp_group.size() > 1:
+    """npu_cross_entropy_loss where one rank holds the whole vocabulary (and the kernel takes the token
+    count); across a split vocabulary the loss needs the all-reduces of the torch version. Logits go in
+    as float32, as megatron's own cross entropy computes, so the loss keeps megatron's precision."""
+    if (tp_group is not None and tp_group.size() > 1) or target.numel() > MAX_CROSS_ENTROPY_ROWS:
         return cross_entropy.vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group)
     loss = torch_npu.npu_cross_entropy_loss(
-        vocab_parallel_logits.reshape(-1, vocab_parallel_logits.shape[-1]), target.reshape(-1),
+        vocab_parallel_logits.reshape(-1, vocab_parallel_logits.shape[-1]).float(), target.reshape(-1),
         reduction="none")[0]
     return loss.view(target.shape)
 
