@@ -45,7 +45,7 @@ DEFAULT_SEQ = {"cpu": [256, 512, 1024], "cuda": [1024, 2048, 4096, 8192], "npu":
 HIDDEN, FFN, VOCAB = 1024, 4096, 32000  # norm width, SwiGLU output width, cross-entropy vocabulary
 HEADS, GROUPS, HEAD_DIM = 8, 2, 128  # attention (GQA) and RoPE
 WARMUP = 2  # unmeasured calls per candidate first (torch.compile'd megatron kernels compile here)
-MIN_SAMPLE_S = 0.02  # a sample repeats the call until it lasts about this long
+MIN_SAMPLE_S = 0.05  # a sample repeats the call until it lasts about this long
 MIB = 2 ** 20
 
 
@@ -53,9 +53,9 @@ MIB = 2 ** 20
 # Each op: (inputs(seq, batch), megatron's local function or module, provider's or None). Inputs requiring
 # grad are differentiated; the others (targets, angles) are passed along. The builders run after
 # ``import adapter``, so they import megatron themselves.
-def _randn(*shape, seed, dtype, device, requires_grad=True, scale=1.0):
+def _randn(*shape, seed, dtype, device, scale=1.0):
     values = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
-    return values.to(device, dtype).requires_grad_(requires_grad)
+    return values.to(device, dtype).requires_grad_()
 
 
 def _config(dtype, **overrides):
@@ -241,10 +241,10 @@ def mismatch(fn, inputs, expected, dtype) -> str | None:
     with torch.no_grad():
         got = fn(*inputs).float()
     tol = TOLERANCE[dtype]
-    if got.shape == expected.shape and torch.allclose(got, expected, atol=tol, rtol=tol):
-        return None
     if got.shape != expected.shape:
         return f"shape {tuple(got.shape)} != {tuple(expected.shape)}"
+    if torch.allclose(got, expected, atol=tol, rtol=tol):
+        return None
     return f"max |diff| {(got - expected).abs().max().item():.2e} > {tol:g}"
 
 
@@ -253,6 +253,7 @@ def run_op(op, providers, opts, dtype, device, accelerator):
     make_inputs, build_local, build_provider = op
     local = build_local(dtype, device)
     built = {p.NAME: build_provider(p, dtype, device) for p in providers}
+    width = 3 if accelerator else 2  # cells per provider: time x, mem x (, peak x)
     rows, notes = [], []
     for seq in opts.seq:
         with torch.no_grad():
@@ -261,11 +262,11 @@ def run_op(op, providers, opts, dtype, device, accelerator):
         cells = {}
         for name, fn in built.items():
             if fn is None:
-                cells[name] = ["n/a"] * (3 if accelerator else 2)
+                cells[name] = ["n/a"] * width
                 continue
             problem = mismatch(fn, make_inputs(seq, opts.batch, dtype, device), expected, dtype)
             if problem:
-                cells[name] = ["MISMATCH"] + ["-"] * (2 if accelerator else 1)
+                cells[name] = ["MISMATCH"] + ["-"] * (width - 1)
                 notes.append(f"MISMATCH: {name} at seq {seq}: {problem}")
             else:
                 candidates[name] = (fn, make_inputs(seq, opts.batch, dtype, device))
@@ -306,6 +307,14 @@ def device_name(device: torch.device) -> str:
     return f"{model} (CPU), {torch.get_num_threads()} threads, {os.cpu_count()} CPUs"
 
 
+def load_average() -> str:
+    try:
+        one, five, _ = os.getloadavg()
+    except OSError:
+        return "load average unknown"
+    return f"load average {one:.1f} (1 min) / {five:.1f} (5 min)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu",
@@ -340,7 +349,7 @@ def main() -> None:
         parser.error("torch_npu is the tests' double (tests/doubles on the path): it cannot be timed")
     providers = [kernels.select_provider(name) for name in names]
 
-    print(f"kernel benchmark on {device_name(device)}")
+    print(f"kernel benchmark on {device_name(device)}; {load_average()}")
     print(f"torch {torch.__version__}, megatron-core {megatron.core.__version__}, python "
           f"{platform.python_version()}; {str(dtype).removeprefix('torch.')}, batch {opts.batch}, "
           f"median of {opts.repeats} (after {WARMUP} warm-up calls)")
@@ -359,7 +368,7 @@ def main() -> None:
             print(render(header, rows, opts.markdown))
             for note in notes:
                 print(note)
-    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+    print(f"\n(measured in {time.perf_counter() - started:.0f} s; {load_average()} after)")
 
 
 if __name__ == "__main__":

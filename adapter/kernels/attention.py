@@ -51,16 +51,11 @@ class CoreAttention(MegatronModule):
             raise UnsupportedKernelSetting(
                 f"softmax_type={config.softmax_type!r}: flash attention computes the vanilla softmax; "
                 "set softmax_type='vanilla' or use megatron's DotProductAttention")
-        if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
-        tp = pg_collection.tp.size()
         self.attn_mask_type = attn_mask_type
         self.layer_number = max(1, layer_number)
-        self.heads = config.num_attention_heads // tp
-        self.query_groups = config.num_query_groups // tp
         # apply_query_key_layer_scaling divides the scale by the layer number and multiplies the scores
         # back inside megatron's softmax: the net scale is unchanged.
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         self.window = (tuple(config.window_size)
                        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
                                                     self.layer_number) else None)
@@ -69,15 +64,17 @@ class CoreAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if attention_bias is not None:
-            raise UnsupportedKernelSetting("attention_bias is not supported by the adapter's core attention; "
-                                       "use megatron's DotProductAttention spec for biased attention")
+            raise UnsupportedKernelSetting(
+                "attention_bias is not supported by the adapter's core attention; use megatron's "
+                "DotProductAttention spec for biased attention")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         mask = attention_mask if mask_type in (
             AttnMaskType.padding, AttnMaskType.padding_causal, AttnMaskType.arbitrary) else None
         if mask is not None and mask.dtype != torch.bool:
-            raise UnsupportedKernelSetting(f"attention_mask of dtype {mask.dtype}: pass a bool mask, True = "
-                                       "masked out (megatron's convention)")
+            raise UnsupportedKernelSetting(
+                f"attention_mask of dtype {mask.dtype}: pass a bool mask, True = masked out (megatron's "
+                "convention)")
         kwargs = dict(scale=self.softmax_scale, causal=causal, mask=mask, window=self.window,
                       dropout_p=self.dropout_p if self.training else 0.0)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
@@ -90,11 +87,13 @@ class CoreAttention(MegatronModule):
 
     def _packed(self, params, mask) -> dict:
         if mask is not None:
-            raise UnsupportedKernelSetting("packed (thd) sequences take no attention_mask: their boundaries "
-                                       "come from cu_seqlens; pass attention_mask=None")
+            raise UnsupportedKernelSetting(
+                "packed (thd) sequences take no attention_mask: their boundaries come from cu_seqlens; "
+                "pass attention_mask=None")
         if self.window is not None:
-            raise UnsupportedKernelSetting(f"sliding window {self.window} with packed (thd) sequences is not "
-                                       "supported; unpack the batch or drop window_size")
+            raise UnsupportedKernelSetting(
+                f"sliding window {self.window} with packed (thd) sequences is not supported; unpack the "
+                "batch or drop window_size")
         if self.config.apply_rope_fusion and self.config.rotary_interleaved:
             raise UnsupportedKernelSetting(
                 "apply_rope_fusion with rotary_interleaved and packed (thd) sequences: megatron's fused "
