@@ -16,15 +16,18 @@ import torch.distributed as dist
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp_group):
-        logits = logits.float()
         vocab_local = logits.shape[-1]
         distributed = tp_group is not None and tp_group.size() > 1
         rank = tp_group.rank() if distributed else 0
 
-        row_max = logits.max(dim=-1).values
+        logits32 = logits.float()
+        row_max = logits32.max(dim=-1).values
         if distributed:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-        shifted = logits - row_max.unsqueeze(-1)
+        if logits32 is logits:  # float32 input: never write into the caller's logits
+            shifted = logits32 - row_max.unsqueeze(-1)
+        else:  # the float32 copy is ours: one [s, b, vocab] buffer serves every step below
+            shifted = logits32.sub_(row_max.unsqueeze(-1))
 
         local_target = target - rank * vocab_local
         elsewhere = (local_target < 0) | (local_target >= vocab_local)
