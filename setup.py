@@ -26,9 +26,13 @@ setup(
         "sentencepiece",
         "psutil",  # megatron's checkpoint writer needs it, without declaring it
         "numpy",
+        "tqdm",  # conversion progress
     ],
     extras_require={
-        "test": ["pytest>=7", "pyyaml"],  # pyyaml: megatron reads per-group communicator YAML
+        # pyyaml: megatron reads per-group communicator YAML; transformers: tiny HF models to compare with
+        "test": ["pytest>=7", "pyyaml", "transformers>=4.56", "safetensors"],
+        # `python -m models.verify` runs the Hugging Face side of a converted checkpoint
+        "hf": ["transformers>=4.56"],
         # torch_npu must match torch and the installed CANN exactly: install Ascend's wheel for your
         # torch by hand (pip install torch-npu==<torch version>) on NPU machines only.
         "npu": ["pyyaml"],

@@ -25,7 +25,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.timers import Timers
 
-from models.gpt import FLAVORS, build_gpt, transformer_config
+import models
+from models.provider import build_model, transformer_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Run:
     dropout: float = 0.0
     sequence_parallel: bool = False
     seed: int = 1234
-    flavor: str = "tiny"
+    flavor: str = "gpt-tiny"
 
 
 def setup(run: Run):
@@ -57,11 +58,11 @@ def build(run: Run):
     """Seeded model chunks (DDP-wrapped) and optimizer for ``run`` on the groups that exist."""
     torch.manual_seed(run.seed)
     model_parallel_cuda_manual_seed(run.seed)
-    flavor = FLAVORS[run.flavor]
+    flavor = models.get(run.flavor)
     config = transformer_config(flavor, hidden_dropout=run.dropout, attention_dropout=run.dropout,
                                 sequence_parallel=run.sequence_parallel)
     stages = [None] if run.vpp is None else list(range(run.vpp))
-    chunks = [build_gpt(flavor, config, vp_stage=stage) for stage in stages]
+    chunks = [build_model(flavor, config, vp_stage=stage) for stage in stages]
     if run.ddp:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=True,

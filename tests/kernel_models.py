@@ -14,7 +14,8 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from adapter import kernels
-from models.gpt import FLAVORS, transformer_config
+import models
+from models.provider import transformer_config
 from tests.kernel_reference import one_rank_model_parallel
 
 def _megatron_local_block(config) -> TransformerBlockSubmodules:
@@ -42,9 +43,9 @@ def _loss_and_grads(model, tokens, labels):
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def compare_with_megatron_local(fusion_flags: dict, flavor_name: str = "tiny") -> dict:
+def compare_with_megatron_local(fusion_flags: dict, flavor_name: str = "gpt-tiny") -> dict:
     with one_rank_model_parallel():
-        flavor = FLAVORS[flavor_name]
+        flavor = models.get(flavor_name)
         torch.manual_seed(0)
         ours = _gpt(flavor, transformer_config(flavor, **fusion_flags),
                     get_gpt_layer_local_spec(normalization="RMSNorm"))

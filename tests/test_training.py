@@ -57,7 +57,7 @@ def test_tensor_and_pipeline_parallel_with_distributed_optimizer_learns():
 
 def test_tied_embeddings_across_pipeline_stages_stay_equal():
     """Megatron all-reduces the tied weight between first and last stage (its .cuda() site)."""
-    results = run_ranks(2, train, Run(pp=2, flavor="tiny-tied", steps=4))
+    results = run_ranks(2, train, Run(pp=2, flavor="gpt-tiny-tied", steps=4))
     losses = _curve(results)
     assert losses[-1] < losses[0]
     first, last = results[0]["shared_weight"], results[1]["shared_weight"]

@@ -1,0 +1,427 @@
+"""Hugging Face safetensors <-> megatron torch_dist checkpoints, streamed tensor by tensor.
+
+hf -> mcore reads each HF tensor from its safetensors shard only when the checkpoint writer reaches the
+chunk that needs it; mcore -> hf reads one layer at a time and writes each safetensors shard as soon as
+it is full. Peak memory is about one layer plus one output shard, whatever the model's size.
+
+Everything that can be checked before writing is checked first (files, config, every tensor's name and
+shape, the target layout), and output goes to a temporary name renamed at the end: bad input gives one
+error naming the bad value, and never a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from models import checkpoint as mcore
+from models import hf as hf_format
+from models.config import ModelConfig, ModelConfigError
+from models.safetensors_io import SafetensorsError, SafetensorsFile, SafetensorsStreamWriter
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# next to the checkpoint iterations: the HF config.json and tokenizer files the weights came with
+HF_ASSETS = "hf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "special_tokens_map.json", "added_tokens.json", "generation_config.json")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the most either direction holds of one tensor at a time, and the largest chunk a checkpoint written
+# here has (megatron's loader, reading a region, reads each overlapping chunk whole)
+BLOCK_BYTES = 32 * 2**20
+
+
+class ConversionError(ValueError):
+    """Input the converter refuses, with the value at fault and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face directories
+
+class HFWeights:
+    """The safetensors tensors of a HF model directory, read a block of rows at a time."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        if (directory / INDEX).is_file():
+            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+        elif (directory / SINGLE).is_file():
+            weight_map = None
+        else:
+            raise ConversionError(f"{directory} has no {SINGLE} or {INDEX}: point --hf-dir at a Hugging Face "
+                                  "model directory saved with safetensors")
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+        missing = [f for f in files if not (directory / f).is_file()]
+        if missing:
+            raise ConversionError(f"{directory}: {INDEX} names {', '.join(missing)}, which is missing")
+        self.file_of, self.shape, self.dtype = {}, {}, {}
+        for file in files:
+            try:
+                handle = SafetensorsFile(directory / file)
+            except SafetensorsError as exc:
+                raise ConversionError(str(exc)) from exc
+            for name, (dtype, shape, _) in handle.tensors.items():
+                self.file_of[name], self.shape[name], self.dtype[name] = handle, shape, dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.file_of[name].read_rows(name)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.file_of[name].read_rows(name, start, stop)
+
+
+def read_hf_config(hf_dir: Path) -> tuple[dict, ModelConfig]:
+    if not hf_dir.is_dir():
+        raise ConversionError(f"--hf-dir {hf_dir} does not exist")
+    path = hf_dir / CONFIG
+    if not path.is_file():
+        raise ConversionError(f"{hf_dir} has no {CONFIG}: point --hf-dir at a Hugging Face model directory")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConversionError(f"{path} is not valid JSON: {exc}") from exc
+    try:
+        return raw, hf_format.config_from_hf(raw)
+    except hf_format.UnsupportedCheckpoint as exc:
+        raise ConversionError(f"{path}: {exc}") from exc
+
+
+def _layer_range(model: ModelConfig) -> list[str]:
+    return [str(i) for i in range(model.num_layers)]
+
+
+def _plan(model: ModelConfig, architecture: str, layout: list) -> list[tuple]:
+    """(checkpoint entry, mapping, layer) for every tensor megatron checkpoints; refuses a layout the
+    mapping does not cover exactly (a megatron version whose keys moved)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    whole, per_layer = hf_format.ARCHITECTURES[architecture].mappings(model)
+    by_key = {m.megatron: m for m in whole}
+    by_key.update({hf_format.LAYER_PREFIX + m.megatron: m for m in per_layer})
+    plan, seen = [], set()
+    for entry in layout:
+        if not isinstance(entry, ShardedTensor):
+            continue
+        mapping = by_key.get(entry.key)
+        if mapping is None:
+            raise ConversionError(f"megatron checkpoints {entry.key!r}, which the {architecture} mapping "
+                                  "does not produce: this megatron-core version is not supported")
+        layer = str(entry.global_offset[0]) if entry.prepend_axis_num else None
+        plan.append((entry, mapping, layer))
+        seen.add(entry.key)
+    unused = sorted(set(by_key) - seen)
+    if unused:
+        raise ConversionError(f"the {architecture} mapping produces {unused}, which megatron does not "
+                              "checkpoint: this megatron-core version is not supported")
+    return plan
+
+
+def _hf_tensors(model: ModelConfig, architecture: str) -> list[tuple[str, tuple, object, str | None, int]]:
+    """Every HF tensor in save_pretrained's order: (name, shape, mapping, layer, index in mapping)."""
+    whole, per_layer = hf_format.ARCHITECTURES[architecture].mappings(model)
+    shapes = _megatron_shapes(model)
+    out = []
+    emb = [m for m in whole if m.megatron.startswith("embedding.")]
+    tail = [m for m in whole if not m.megatron.startswith("embedding.")]
+    for mapping in emb:
+        out += [(n, s, mapping, None, i) for i, (n, s) in enumerate(
+            zip(mapping.hf_names(""), mapping.hf_shapes(model, shapes[mapping.megatron])))]
+    for layer in _layer_range(model):
+        for mapping in per_layer:
+            out += [(n, s, mapping, layer, i) for i, (n, s) in enumerate(
+                zip(mapping.hf_names(layer), mapping.hf_shapes(model, shapes[hf_format.LAYER_PREFIX
+                                                                             + mapping.megatron][1:])))]
+    for mapping in tail:
+        out += [(n, s, mapping, None, i) for i, (n, s) in enumerate(
+            zip(mapping.hf_names(""), mapping.hf_shapes(model, shapes[mapping.megatron])))]
+    return out
+
+
+def _megatron_shapes(model: ModelConfig) -> dict[str, tuple]:
+    """Global shape of every checkpoint tensor (per-layer ones with their leading layer axis)."""
+    h, f, d, L = model.hidden_size, model.ffn_hidden_size, model.head_dim, model.num_layers
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * d
+    p = hf_format.LAYER_PREFIX
+    return {
+        "embedding.word_embeddings.weight": (model.vocab_size, h),
+        "output_layer.weight": (model.vocab_size, h),
+        "decoder.final_layernorm.weight": (h,),
+        p + "self_attention.linear_qkv.layer_norm_weight": (L, h),
+        p + "self_attention.linear_qkv.weight": (L, qkv, h),
+        p + "self_attention.linear_qkv.bias": (L, qkv),
+        p + "self_attention.linear_proj.weight": (L, h, model.num_attention_heads * d),
+        p + "mlp.linear_fc1.layer_norm_weight": (L, h),
+        p + "mlp.linear_fc1.weight": (L, 2 * f, h),
+        p + "mlp.linear_fc2.weight": (L, h, f),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# HF -> megatron
+
+def _check_layout(model: ModelConfig, tp: int, pp: int) -> None:
+    for name, value in (("--tp", tp), ("--pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ConversionError(f"{name} {value!r}: must be a positive integer")
+    try:
+        model.check_layout(tp, pp)
+    except ModelConfigError as exc:
+        raise ConversionError(str(exc)) from exc
+
+
+# recomputed from the config (old checkpoints saved RoPE's inverse frequencies), or a tied copy
+_IGNORED_HF_TENSOR = re.compile(r"rotary_emb\.inv_freq$|^lm_head\.weight$")
+
+
+def _check_hf_tensors(weights: HFWeights, expected: list[tuple]) -> None:
+    missing = [name for name, *_ in expected if name not in weights.shape]
+    if missing:
+        raise ConversionError(f"{weights.directory} lacks {len(missing)} tensor(s) its config.json implies, "
+                              f"e.g. {', '.join(missing[:3])}")
+    for name, shape, *_ in expected:
+        if weights.shape[name] != tuple(shape):
+            raise ConversionError(f"{name} has shape {weights.shape[name]} in {weights.directory}, but "
+                                  f"config.json implies {tuple(shape)}: the weights and config.json "
+                                  "disagree")
+    extra = sorted(name for name in set(weights.shape) - {name for name, *_ in expected}
+                   if not _IGNORED_HF_TENSOR.search(name))
+    if extra:
+        raise ConversionError(f"{weights.directory} has tensor(s) the conversion would drop, e.g. "
+                              f"{', '.join(extra[:3])}: this is not a plain {len(expected)}-tensor model")
+
+
+def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = None,
+                progress: bool = True, threads: int = 1) -> Path:
+    """Convert a HF Qwen2/Llama directory into a megatron torch_dist release checkpoint in ``save_dir``
+    (loadable with ``--load save_dir`` at any TP/PP; ``tp``/``pp`` are checked against the model and
+    recorded as the layout it was converted for). Returns the checkpoint directory."""
+    hf_dir, save_dir = Path(hf_dir), Path(save_dir)
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    raw_config, model = read_hf_config(hf_dir)
+    architecture = raw_config["architectures"][0]
+    _check_layout(model, tp, pp)
+    weights = HFWeights(hf_dir)
+    expected = _hf_tensors(model, architecture)
+    _check_hf_tensors(weights, expected)
+    target = _dtype(dtype) or weights.dtype[expected[0][0]]
+    if (save_dir / mcore.TRACKER).exists() or (save_dir / mcore.RELEASE).exists():
+        raise ConversionError(f"{save_dir} already holds a checkpoint: choose an empty --save-dir")
+
+    with mcore.single_process_groups():
+        layout = mcore.megatron_layout(model)
+    plan = _plan(model, architecture, layout)
+    shapes = _megatron_shapes(model)
+    bar = _progress(progress, sum(_nbytes(e.local_shape, target) for e, _, _ in plan), "hf -> mcore")
+    cache: dict = {}
+
+    def rows(mapping, layer, first: int, count: int, shape: tuple):
+        """Rows [first, first + count) of the megatron tensor ``mapping`` gives for ``layer``: read
+        straight from the one HF tensor that holds them where there is one, else built whole (QKV)."""
+        def produce():
+            per_layer = layer is not None
+            total_rows = shapes[(hf_format.LAYER_PREFIX if per_layer else "") + mapping.megatron][per_layer]
+            names = mapping.hf_names(layer or "")
+            for index, name in enumerate(names):
+                span = mapping.row_range(index, total_rows)
+                if span and span[0] <= first and first + count <= span[0] + span[1]:
+                    block = weights.get_rows(name, first - span[0], first - span[0] + count)
+                    break
+            else:
+                if cache.get("key") != (mapping.megatron, layer):
+                    cache.update(key=(mapping.megatron, layer),
+                                 tensor=mapping.to_megatron([weights.get(n) for n in names], model))
+                block = cache["tensor"][first:first + count]
+            block = block.to(target).reshape(shape)
+            bar.update(block.numel() * block.element_size())
+            return block
+        return produce
+
+    chunks = []
+    for entry, mapping, layer in plan:
+        axis = entry.prepend_axis_num
+        for start, count in _row_blocks(entry.local_shape, target):
+            offset = list(entry.global_offset)
+            offset[axis] += start
+            shape = (1,) * axis + (count, *entry.local_shape[1:])
+            chunks.append(mcore.tensor_chunk(entry.key, entry.global_shape, offset, shape, target,
+                                             rows(mapping, layer, entry.global_offset[axis] + start, count,
+                                                  shape)))
+    chunks += [mcore.object_chunk(entry.unique_key, entry.data) for entry in layout
+               if isinstance(entry, ShardedObject)]
+    common = {"checkpoint_version": mcore.CHECKPOINT_VERSION, "iteration": 0,
+              "model_config": dataclasses.asdict(model), "hf_architecture": architecture,
+              "converted_for": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}}
+    save_dir.mkdir(parents=True, exist_ok=True)
+    _copy_assets(hf_dir, save_dir / HF_ASSETS, with_config=True)
+    with mcore.single_process_groups():
+        path = mcore.write_checkpoint(save_dir, chunks, common, threads=threads)
+    bar.close()
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# megatron -> HF
+
+def mcore_to_hf(load_dir, save_dir, iteration=None, model: ModelConfig | None = None,
+                dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, tokenizer_dir=None,
+                progress: bool = True) -> Path:
+    """Write the model weights of a megatron torch_dist checkpoint (saved at any TP/PP) as a HF
+    safetensors directory with config.json and tokenizer files. The model's config comes from, in
+    order: ``model``; the config.json the checkpoint was converted from; its common state."""
+    load_dir, save_dir = Path(load_dir), Path(save_dir)
+    try:
+        checkpoint = mcore.iteration_dir(load_dir, iteration)
+    except mcore.CheckpointError as exc:
+        raise ConversionError(str(exc)) from exc
+    if save_dir.exists() and any(save_dir.iterdir()):
+        raise ConversionError(f"--save-dir {save_dir} is not empty: choose a new directory")
+    assets = load_dir / HF_ASSETS
+    raw_config = None
+    if model is None and (assets / CONFIG).is_file():
+        raw_config, model = read_hf_config(assets)
+    if model is None:
+        stored = mcore.read_common(checkpoint).get("model_config")
+        if stored is None:
+            raise ConversionError(f"{checkpoint} does not say which model it holds: pass --model NAME")
+        model = ModelConfig(**stored)
+    architecture = raw_config["architectures"][0] if raw_config else hf_format.architecture_for(model)
+    with mcore.single_process_groups():
+        plan = _plan(model, architecture, mcore.megatron_layout(model))
+        stored = mcore.tensors_metadata(checkpoint)
+        expected_shapes = _megatron_shapes(model)
+        for key in {entry.key for entry, _, _ in plan}:
+            if key not in stored:
+                raise ConversionError(f"{checkpoint} has no {key!r}: it is not a checkpoint of this model")
+            if tuple(stored[key].global_shape) != expected_shapes[key]:
+                raise ConversionError(f"{key} is {tuple(stored[key].global_shape)} in {checkpoint}, the "
+                                      f"model implies {expected_shapes[key]}: pass the right --model")
+        source_dtype = stored["embedding.word_embeddings.weight"].dtype
+        target = _dtype(dtype) or source_dtype
+        config = raw_config or hf_format.config_to_hf(model, architecture, target)
+        if dtype is not None:  # transformers < 5 reads torch_dtype, 5 writes dtype
+            name = str(target).removeprefix("torch.")
+            config = {**config, "torch_dtype": name, **({"dtype": name} if "dtype" in config else {})}
+        hf_tensors = _hf_tensors(model, architecture)
+        shards = _shard(hf_tensors, target, max_shard_bytes)
+        partial = save_dir.with_name(f".{save_dir.name}.partial-{os.getpid()}")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        try:
+            bar = _progress(progress, sum(_nbytes(s, target) for _, s, *_ in hf_tensors), "mcore -> hf")
+            _write_hf(checkpoint, model, hf_tensors, shards, partial, stored, target, bar)
+            bar.close()
+            (partial / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            _copy_assets(Path(tokenizer_dir) if tokenizer_dir else assets, partial, with_config=False)
+            if save_dir.exists():
+                save_dir.rmdir()
+            partial.rename(save_dir)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    return save_dir
+
+
+def _shard(hf_tensors: list[tuple], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
+    """HF tensor names grouped into files of at most ``max_bytes`` (a bigger tensor gets a file alone)."""
+    shards, current, size = [], [], 0
+    for name, shape, *_ in hf_tensors:
+        nbytes = _nbytes(shape, dtype)
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    return shards + [current]
+
+
+def _write_hf(checkpoint, model, hf_tensors, shards, out: Path, stored, dtype, bar) -> None:
+    files = [SINGLE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    shape_of = {name: shape for name, shape, *_ in hf_tensors}
+    writers = iter(list(zip(files, shards)))
+    reader = mcore.checkpoint_reader(checkpoint)
+    writer, file_of, total, whole = None, {}, 0, {}
+    for name, shape, mapping, layer, index in hf_tensors:
+        if writer is None or writer.complete:
+            if writer is not None:
+                writer.close()
+            file, names = next(writers)
+            writer = SafetensorsStreamWriter(out / file, [(n, dtype, shape_of[n]) for n in names],
+                                             metadata={"format": "pt"})
+            file_of.update({n: file for n in names})
+        key = (hf_format.LAYER_PREFIX if layer is not None else "") + mapping.megatron
+        layer_axis = () if layer is None else (int(layer),)
+        global_shape = tuple(stored[key].global_shape)[len(layer_axis):]
+        span = mapping.row_range(index, global_shape[0])
+        if span is not None:  # a row range of the megatron tensor: copied over in blocks
+            for start, count in _row_blocks((span[1], *global_shape[1:]), stored[key].dtype):
+                offset = layer_axis + (span[0] + start,) + (0,) * (len(global_shape) - 1)
+                region = (1,) * len(layer_axis) + (count, *global_shape[1:])
+                block = mcore.read_regions(reader, {key: (offset, region, stored[key].dtype)})[key]
+                writer.write(name, block.reshape(count, *global_shape[1:]).to(dtype))
+        else:  # rows scattered over the megatron tensor (QKV): read it whole once for its parts
+            if whole.get("key") != (key, layer):
+                offset = layer_axis + (0,) * len(global_shape)
+                tensor = mcore.read_regions(reader, {key: (offset, (1,) * len(layer_axis) + global_shape,
+                                                           stored[key].dtype)})[key]
+                whole = {"key": (key, layer), "parts": mapping.to_hf(tensor.reshape(global_shape), model)}
+            writer.write(name, whole["parts"][index].to(dtype))
+        nbytes = _nbytes(shape, dtype)
+        total += nbytes
+        bar.update(nbytes)
+    writer.close()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _row_blocks(shape: tuple, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """(start, count) row blocks of a tensor of ``shape``, each of at most BLOCK_BYTES (at least a row):
+    the unit both directions stream in, and the chunk size of the checkpoints written here."""
+    row_bytes = _nbytes(shape[1:], dtype)
+    step = max(1, BLOCK_BYTES // row_bytes)
+    return [(start, min(step, shape[0] - start)) for start in range(0, shape[0], step)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ConversionError(f"--dtype {name!r}: use one of {', '.join(DTYPES)} (or leave it out to keep "
+                              "the checkpoint's)")
+    return DTYPES[name]
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _copy_assets(source: Path, destination: Path, with_config: bool) -> None:
+    if not source.is_dir():
+        return
+    names = TOKENIZER_FILES + ((CONFIG,) if with_config else ())
+    files = [source / n for n in names if (source / n).is_file()]
+    if files:
+        destination.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        shutil.copy2(file, destination / file.name)
+
+
+def _progress(enabled: bool, total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                disable=not enabled, mininterval=1.0)

@@ -1,0 +1,130 @@
+"""megatron-core GPTModels from a ``ModelConfig``: the TransformerConfig, the layer spec, the model chunk
+for a pipeline rank, and a Megatron-LM-shaped ``model_provider(pre_process, post_process, vp_stage)``.
+
+The layer spec is megatron's own ``get_gpt_layer_local_spec``: with ``import adapter`` it yields the
+kernel provider's norm and core attention (patches/kernels.py), so the same spec serves every backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+import models
+from models.config import ModelConfig, ModelConfigError
+
+_ACTIVATIONS = {"swiglu": (F.silu, True), "gelu": (F.gelu, False)}
+
+
+def transformer_config(model: ModelConfig, **overrides) -> TransformerConfig:
+    """The TransformerConfig of ``model`` on the model-parallel layout already initialised.
+
+    ``overrides`` are TransformerConfig fields (parallel sizes, dtypes, fusion flags, recompute, ...)."""
+    activation, gated = _ACTIVATIONS[model.activation]
+    settings = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=gated,
+        activation_func=activation,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=(
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()),
+        pipeline_dtype=torch.float32,
+        # The same full weights on every layout: megatron initialises the master weight on CPU and
+        # splits it, so a seed gives one model whatever the TP/PP.
+        use_cpu_initialization=True,
+    )
+    settings.update(overrides)
+    model.check_layout(settings["tensor_model_parallel_size"], settings["pipeline_model_parallel_size"],
+                       settings["virtual_pipeline_model_parallel_size"])
+    return TransformerConfig(**settings)
+
+
+def build_model(model: ModelConfig, config: TransformerConfig, vp_stage: int | None = None,
+                pre_process: bool | None = None, post_process: bool | None = None) -> GPTModel:
+    """The GPTModel chunk of this pipeline rank (and virtual stage ``vp_stage``)."""
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=model.normalization),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type=model.position_embedding,
+        rotary_base=model.rotary_base,
+        vp_stage=vp_stage,
+    )
+
+
+def make_model_provider(model: ModelConfig | str, **config_overrides):
+    """``model_provider(pre_process=True, post_process=True, vp_stage=None)`` as Megatron-LM's pretrain
+    calls it, for a ModelConfig or a model name; ``config_overrides`` go to the TransformerConfig."""
+    if isinstance(model, str):
+        model = models.get(model)
+
+    def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None):
+        return build_model(model, transformer_config(model, **config_overrides), vp_stage=vp_stage,
+                           pre_process=pre_process, post_process=post_process)
+
+    return model_provider
+
+
+# Megatron-LM argument name -> ModelConfig field, for the arguments that carry over unchanged.
+_ARG_FIELDS = {
+    "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads", "max_position_embeddings": "max_position_embeddings",
+    "seq_length": "seq_length", "normalization": "normalization", "norm_epsilon": "norm_epsilon",
+    "position_embedding_type": "position_embedding", "rotary_base": "rotary_base",
+    "add_qkv_bias": "add_qkv_bias",
+}
+
+
+def config_from_args(args: argparse.Namespace) -> ModelConfig:
+    """A ModelConfig from Megatron-LM-named arguments: ``args.model`` (a name from ``models.names()``)
+    when set, with every architecture argument the namespace sets (not None) applied over it."""
+    name = getattr(args, "model", None)
+    settings = dict(vars(models.get(name))) if name else {}
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    settings.update({field: given[arg] for arg, field in _ARG_FIELDS.items() if arg in given})
+    if given.get("group_query_attention") or "num_query_groups" in given:
+        settings["num_query_groups"] = given.get("num_query_groups")
+    elif "num_attention_heads" in given and not name:
+        settings["num_query_groups"] = given["num_attention_heads"]
+    vocab = given.get("padded_vocab_size", given.get("vocab_size"))
+    if vocab is not None:
+        settings["vocab_size"] = vocab
+    if "swiglu" in given:
+        settings["activation"] = "swiglu" if given["swiglu"] else "gelu"
+    if "disable_bias_linear" in given:
+        settings["add_bias_linear"] = not given["disable_bias_linear"]
+    if "untie_embeddings_and_output_weights" in given:
+        settings["tie_embeddings"] = not given["untie_embeddings_and_output_weights"]
+    settings.setdefault("max_position_embeddings", settings.get("seq_length"))
+    try:
+        return ModelConfig(**settings)
+    except TypeError as exc:
+        raise ModelConfigError(f"the arguments do not describe a whole model ({exc}): pass --model NAME "
+                               f"or every architecture argument") from exc
+

@@ -1,0 +1,139 @@
+"""Named model configs: each Qwen2.5 equals its published config.json, and every named model, built by
+megatron-core on the meta device, has the parameter count of the Hugging Face model of the same config."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+import models
+from models.config import ModelConfigError
+from models.hf import config_from_hf, config_to_hf
+
+# The fields of huggingface.co/Qwen/Qwen2.5-<size>/blob/main/config.json (base models) that define the
+# network: (layers, hidden, intermediate, heads, kv heads, vocab, max positions, rms eps, tied)
+PUBLISHED_QWEN25 = {
+    "0.5b": (24, 896, 4864, 14, 2, 151936, 32768, 1e-6, True),
+    "1.5b": (28, 1536, 8960, 12, 2, 151936, 131072, 1e-6, True),
+    "3b": (36, 2048, 11008, 16, 2, 151936, 32768, 1e-6, True),
+    "7b": (28, 3584, 18944, 28, 4, 152064, 131072, 1e-6, False),
+    "14b": (48, 5120, 13824, 40, 8, 152064, 131072, 1e-5, False),
+    "32b": (64, 5120, 27648, 40, 8, 152064, 131072, 1e-5, False),
+    "72b": (80, 8192, 29568, 64, 8, 152064, 131072, 1e-5, False),
+}
+
+
+def _published_config_json(size: str) -> dict:
+    layers, hidden, ffn, heads, kv, vocab, positions, eps, tied = PUBLISHED_QWEN25[size]
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+            "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": ffn,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab,
+            "max_position_embeddings": positions, "rope_theta": 1000000.0, "rms_norm_eps": eps,
+            "tie_word_embeddings": tied, "use_sliding_window": False, "sliding_window": positions,
+            "max_window_layers": layers, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("size", list(PUBLISHED_QWEN25))
+def test_qwen25_named_config_equals_the_published_config_json(size):
+    assert models.get(f"qwen2.5-{size}") == config_from_hf(_published_config_json(size))
+
+
+def test_qwen25_72b_is_the_recipe_model():
+    m = models.get("qwen2.5-72b")
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups) == (
+        80, 8192, 29568, 64, 8)
+    assert (m.vocab_size, m.rotary_base, m.norm_epsilon) == (152064, 1e6, 1e-5)
+    assert (m.normalization, m.activation, m.position_embedding) == ("RMSNorm", "swiglu", "rope")
+    assert m.add_qkv_bias and not m.add_bias_linear and not m.tie_embeddings
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    from models.checkpoint import single_process_groups
+
+    import adapter  # noqa: F401
+
+    with single_process_groups():
+        yield
+
+
+def _megatron_parameters(model) -> int:
+    from models.provider import build_model, transformer_config
+
+    with torch.device("meta"):
+        gpt = build_model(model, transformer_config(model, perform_initialization=False))
+    return sum(p.numel() for p in gpt.parameters())
+
+
+def _hf_parameters(model) -> int:
+    transformers = pytest.importorskip("transformers")
+    if model.position_embedding == "learned_absolute":  # the GPT-3 shapes: GPT-2's architecture
+        config = transformers.GPT2Config(
+            vocab_size=model.vocab_size, n_positions=model.max_position_embeddings, n_embd=model.hidden_size,
+            n_layer=model.num_layers, n_head=model.num_attention_heads, n_inner=model.ffn_hidden_size,
+            tie_word_embeddings=model.tie_embeddings)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        hf = config_to_hf(model, "Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM")
+        cls = getattr(transformers, hf["architectures"][0])
+        config = cls.config_class(**{k: v for k, v in hf.items() if k != "architectures"})
+    with torch.device("meta"):
+        return sum(p.numel() for p in cls(config).parameters())
+
+
+@pytest.mark.parametrize("name", models.names())
+def test_megatron_parameter_count_equals_hugging_face(one_rank, name):
+    model = models.get(name)
+    count = _megatron_parameters(model)
+    assert count == _hf_parameters(model) == model.num_parameters()
+
+
+def test_published_sizes_are_what_the_names_say():
+    billions = {name: models.get(name).num_parameters() / 1e9 for name in models.names()}
+    assert billions["qwen2.5-72b"] == pytest.approx(72.7, abs=0.05)
+    assert billions["qwen2.5-7b"] == pytest.approx(7.62, abs=0.01)
+    assert billions["qwen2.5-0.5b"] == pytest.approx(0.494, abs=0.001)
+    assert billions["gpt-125m"] == pytest.approx(0.125, abs=0.005)
+    assert billions["gpt-1.3b"] == pytest.approx(1.3, abs=0.05)
+
+
+def test_unknown_model_names_the_known_ones():
+    with pytest.raises(ModelConfigError, match="unknown model 'qwen3-8b': known models are gpt-tiny, "):
+        models.get("qwen3-8b")
+
+
+def test_overrides_apply_and_unknown_settings_are_refused():
+    assert models.get("qwen2.5-tiny", num_layers=8).num_layers == 8
+    with pytest.raises(ModelConfigError, match="unknown model setting.*num_layer\\b"):
+        models.get("qwen2.5-tiny", num_layer=8)
+
+
+@pytest.mark.parametrize("tp, pp, vpp, message", [
+    (3, 1, None, "tensor parallel size 3 does not divide num_attention_heads=64"),
+    (16, 1, None, "tensor parallel size 16 does not divide num_query_groups=8"),
+    (1, 3, None, "80 layers cannot be split evenly into 3 pipeline stages"),
+    (1, 4, 3, "80 layers cannot be split evenly into 4 pipeline stages x 3 virtual stages"),
+])
+def test_layouts_megatron_would_fail_on_are_refused_by_name(tp, pp, vpp, message):
+    with pytest.raises(ModelConfigError, match=message):
+        models.get("qwen2.5-72b").check_layout(tp, pp, vpp)
+    models.get("qwen2.5-72b").check_layout(8, 4, 5)  # the recipe's layout
+
+
+def test_config_from_megatron_style_args():
+    from models.provider import config_from_args
+
+    args = argparse.Namespace(model="qwen2.5-72b", seq_length=8192, num_layers=None, hidden_size=None)
+    assert config_from_args(args) == models.get("qwen2.5-72b", seq_length=8192)
+    args = argparse.Namespace(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                              group_query_attention=True, num_query_groups=2, padded_vocab_size=256,
+                              seq_length=32, max_position_embeddings=64, swiglu=True,
+                              disable_bias_linear=True, add_qkv_bias=True, normalization="RMSNorm",
+                              untie_embeddings_and_output_weights=True)
+    built = config_from_args(args)
+    assert (built.num_query_groups, built.vocab_size, built.activation, built.tie_embeddings) == (
+        2, 256, "swiglu", False)
+    with pytest.raises(ModelConfigError, match="pass --model NAME or every architecture argument"):
+        config_from_args(argparse.Namespace(num_layers=2))
