@@ -18,16 +18,12 @@ def names() -> list[str]:
 
 def get(name: str, **overrides) -> ModelConfig:
     """The named config, with ``overrides`` (ModelConfig field names) applied."""
-    family, _, flavor = name.strip().lower().rpartition("-")
-    flavors = FAMILIES.get(family, {})
-    if flavor not in flavors:
-        # names may contain '-' in the flavor too (gpt-tiny-tied)
-        family, _, flavor = name.strip().lower().partition("-")
-        flavors = FAMILIES.get(family, {})
-    if flavor not in flavors:
-        raise ModelConfigError(f"unknown model {name!r}: known models are {', '.join(names())}")
-    config = flavors[flavor]
-    return config.replace(**overrides) if overrides else config
+    lowered = name.strip().lower()
+    for family, flavors in FAMILIES.items():
+        flavor = lowered.removeprefix(f"{family}-")
+        if flavor != lowered and flavor in flavors:
+            return flavors[flavor].replace(**overrides) if overrides else flavors[flavor]
+    raise ModelConfigError(f"unknown model {name!r}: known models are {', '.join(names())}")
 
 
 __all__ = ["FAMILIES", "ModelConfig", "ModelConfigError", "get", "names"]

@@ -155,7 +155,7 @@ def object_chunk(unique_key: str, value) -> tuple[WriteItem, Callable]:
 
 
 def write_checkpoint(save_dir: str | os.PathLike, chunks: Iterable[tuple[WriteItem, Callable]],
-                     common: dict, iteration: int | str = RELEASE, threads: int = 1) -> Path:
+                     common: dict, iteration: int | str = RELEASE) -> Path:
     """Write a torch_dist checkpoint from ``chunks`` and the plain ``common`` state, then point the
     tracker file at it. Atomic: it is written beside its final name and renamed when complete, and the
     tracker is replaced last, so an interrupted write leaves any earlier checkpoint as it was."""
@@ -174,8 +174,7 @@ def write_checkpoint(save_dir: str | os.PathLike, chunks: Iterable[tuple[WriteIt
     try:
         by_id = {_item_id(item.index): (item, produce) for item, produce in chunks}
         # one file per chunk: the writer keeps every tensor of a file alive until the file is closed
-        writer = FileSystemWriter(partial, single_file_per_rank=False, thread_count=threads,
-                                  sync_files=False)
+        writer = FileSystemWriter(partial, single_file_per_rank=False)
         planner = _ChunkPlanner(by_id)
         try:
             dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)

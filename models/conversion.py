@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -198,7 +199,7 @@ def _check_hf_tensors(weights: HFWeights, expected: list[tuple]) -> None:
 
 
 def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = None,
-                progress: bool = True, threads: int = 1) -> Path:
+                progress: bool = True) -> Path:
     """Convert a HF Qwen2/Llama directory into a megatron torch_dist release checkpoint in ``save_dir``
     (loadable with ``--load save_dir`` at any TP/PP; ``tp``/``pp`` are checked against the model and
     recorded as the layout it was converted for). Returns the checkpoint directory."""
@@ -262,7 +263,7 @@ def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = 
     save_dir.mkdir(parents=True, exist_ok=True)
     _copy_assets(hf_dir, save_dir / HF_ASSETS, with_config=True)
     with mcore.single_process_groups():
-        path = mcore.write_checkpoint(save_dir, chunks, common, threads=threads)
+        path = mcore.write_checkpoint(save_dir, chunks, common)
     bar.close()
     return path
 
@@ -288,10 +289,7 @@ def mcore_to_hf(load_dir, save_dir, iteration=None, model: ModelConfig | None = 
     if model is None and (assets / CONFIG).is_file():
         raw_config, model = read_hf_config(assets)
     if model is None:
-        stored = mcore.read_common(checkpoint).get("model_config")
-        if stored is None:
-            raise ConversionError(f"{checkpoint} does not say which model it holds: pass --model NAME")
-        model = ModelConfig(**stored)
+        model = _stored_model(checkpoint)
     architecture = raw_config["architectures"][0] if raw_config else hf_format.architecture_for(model)
     with mcore.single_process_groups():
         plan = _plan(model, architecture, mcore.megatron_layout(model))
@@ -327,6 +325,16 @@ def mcore_to_hf(load_dir, save_dir, iteration=None, model: ModelConfig | None = 
             shutil.rmtree(partial, ignore_errors=True)
             raise
     return save_dir
+
+
+def _stored_model(checkpoint: Path) -> ModelConfig:
+    """The ModelConfig a checkpoint written by this project records in its common state."""
+    try:
+        stored = mcore.read_common(checkpoint).get("model_config")
+        return ModelConfig(**stored)
+    except (pickle.UnpicklingError, TypeError, ModelConfigError) as exc:  # not ours, or from elsewhere
+        raise ConversionError(f"{checkpoint} does not say which model it holds ({type(exc).__name__}): "
+                              "pass --model NAME") from exc
 
 
 def _shard(hf_tensors: list[tuple], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:

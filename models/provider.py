@@ -97,34 +97,43 @@ _ARG_FIELDS = {
     "num_attention_heads": "num_attention_heads", "max_position_embeddings": "max_position_embeddings",
     "seq_length": "seq_length", "normalization": "normalization", "norm_epsilon": "norm_epsilon",
     "position_embedding_type": "position_embedding", "rotary_base": "rotary_base",
-    "add_qkv_bias": "add_qkv_bias",
 }
 
 
 def config_from_args(args: argparse.Namespace) -> ModelConfig:
     """A ModelConfig from Megatron-LM-named arguments: ``args.model`` (a name from ``models.names()``)
-    when set, with every architecture argument the namespace sets (not None) applied over it."""
+    when set, with every architecture argument the namespace sets (not None) applied over it.
+
+    Megatron-LM's switches (--swiglu, --disable-bias-linear, --add-qkv-bias, --group-query-attention,
+    --untie-embeddings-and-output-weights) default to False, which cannot be told from "not given": over
+    a named model only a switch that is on changes it; without one, they are read as they are."""
     name = getattr(args, "model", None)
     settings = dict(vars(models.get(name))) if name else {}
     given = {k: v for k, v in vars(args).items() if v is not None}
     settings.update({field: given[arg] for arg, field in _ARG_FIELDS.items() if arg in given})
-    if given.get("group_query_attention") or "num_query_groups" in given:
+
+    def switch(arg: str):
+        value = given.get(arg)
+        return value if value or not name else None
+
+    gqa = switch("group_query_attention")
+    if gqa or (gqa is None and not name and "num_query_groups" in given):
         settings["num_query_groups"] = given.get("num_query_groups")
-    elif "num_attention_heads" in given and not name:
-        settings["num_query_groups"] = given["num_attention_heads"]
+    elif gqa is False and "num_attention_heads" in settings:
+        settings["num_query_groups"] = settings["num_attention_heads"]
     vocab = given.get("padded_vocab_size", given.get("vocab_size"))
     if vocab is not None:
         settings["vocab_size"] = vocab
-    if "swiglu" in given:
-        settings["activation"] = "swiglu" if given["swiglu"] else "gelu"
-    if "disable_bias_linear" in given:
-        settings["add_bias_linear"] = not given["disable_bias_linear"]
-    if "untie_embeddings_and_output_weights" in given:
-        settings["tie_embeddings"] = not given["untie_embeddings_and_output_weights"]
+    for arg, field, meaning in (("swiglu", "activation", lambda on: "swiglu" if on else "gelu"),
+                                ("disable_bias_linear", "add_bias_linear", lambda on: not on),
+                                ("add_qkv_bias", "add_qkv_bias", bool),
+                                ("untie_embeddings_and_output_weights", "tie_embeddings", lambda on: not on)):
+        value = switch(arg)
+        if value is not None:
+            settings[field] = meaning(value)
     settings.setdefault("max_position_embeddings", settings.get("seq_length"))
     try:
         return ModelConfig(**settings)
     except TypeError as exc:
         raise ModelConfigError(f"the arguments do not describe a whole model ({exc}): pass --model NAME "
                                f"or every architecture argument") from exc
-

@@ -16,10 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-os.environ.setdefault("ADAPTER_BACKEND", "cpu")  # float32 on CPU: the comparison is about the weights
-
-import adapter  # noqa: E402  - before megatron
-import torch  # noqa: E402
+import torch
 
 
 def megatron_logits(chunks: list, tokens: torch.Tensor, model) -> torch.Tensor | None:
@@ -62,6 +59,7 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _rank_main(args) -> int:
+    import adapter  # before megatron
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -110,6 +108,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     argv = list(argv if argv is not None else sys.argv[1:])
     args = parser.parse_args(argv)
+    # float32 on CPU, in this command's processes: the comparison is about the weights
+    os.environ.setdefault("ADAPTER_BACKEND", "cpu")
 
     from models.config import ModelConfigError
     from models.conversion import ConversionError, hf_to_mcore

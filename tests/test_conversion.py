@@ -106,6 +106,8 @@ def test_checkpoint_saved_at_tp2_pp2_converts_to_hf_and_back_to_tp1(tmp_path):
     model = models.get("qwen2.5-tiny")
     trained = tmp_path / "trained"
     before = _last_stage_logits(run_ranks(4, save_like_training, model, str(trained), 2, 2))
+    with pytest.raises(ConversionError, match="does not say which model it holds.*pass --model NAME"):
+        mcore_to_hf(trained, tmp_path / "unknown", progress=False)
     hf_dir = mcore_to_hf(trained, tmp_path / "hf", model=model, progress=False)
     assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     hf_to_mcore(hf_dir, tmp_path / "back", progress=False)

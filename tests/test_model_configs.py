@@ -127,6 +127,11 @@ def test_config_from_megatron_style_args():
 
     args = argparse.Namespace(model="qwen2.5-72b", seq_length=8192, num_layers=None, hidden_size=None)
     assert config_from_args(args) == models.get("qwen2.5-72b", seq_length=8192)
+    # Megatron-LM's switches default to False: over a named model that is "not given"
+    megatron_defaults = argparse.Namespace(model="qwen2.5-72b", swiglu=False, disable_bias_linear=False,
+                                           add_qkv_bias=False, group_query_attention=False, num_query_groups=1,
+                                           untie_embeddings_and_output_weights=False)
+    assert config_from_args(megatron_defaults) == models.get("qwen2.5-72b")
     args = argparse.Namespace(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                               group_query_attention=True, num_query_groups=2, padded_vocab_size=256,
                               seq_length=32, max_position_embeddings=64, swiglu=True,
