@@ -1,8 +1,9 @@
 """Hugging Face safetensors <-> megatron torch_dist checkpoints, streamed tensor by tensor.
 
-hf -> mcore reads each HF tensor from its safetensors shard only when the checkpoint writer reaches the
-chunk that needs it; mcore -> hf reads one layer at a time and writes each safetensors shard as soon as
-it is full. Peak memory is about one layer plus one output shard, whatever the model's size.
+Both directions move one block of rows (at most BLOCK_BYTES) at a time: hf -> mcore reads from the
+safetensors shards the rows of the checkpoint chunk the writer has reached; mcore -> hf reads a block of
+the checkpoint and appends it to a safetensors shard whose header was written first. Peak memory is a few
+blocks, whatever the size of the model or of the shards.
 
 Everything that can be checked before writing is checked first (files, config, every tensor's name and
 shape, the target layout), and output goes to a temporary name renamed at the end: bad input gives one
@@ -128,21 +129,17 @@ def _hf_tensors(model: ModelConfig, architecture: str) -> list[tuple[str, tuple,
     """Every HF tensor in save_pretrained's order: (name, shape, mapping, layer, index in mapping)."""
     whole, per_layer = hf_format.ARCHITECTURES[architecture].mappings(model)
     shapes = _megatron_shapes(model)
-    out = []
-    emb = [m for m in whole if m.megatron.startswith("embedding.")]
-    tail = [m for m in whole if not m.megatron.startswith("embedding.")]
-    for mapping in emb:
-        out += [(n, s, mapping, None, i) for i, (n, s) in enumerate(
-            zip(mapping.hf_names(""), mapping.hf_shapes(model, shapes[mapping.megatron])))]
+
+    def entries(mapping, layer: str | None, megatron_shape: tuple) -> list[tuple]:
+        return [(name, shape, mapping, layer, index) for index, (name, shape) in enumerate(
+            zip(mapping.hf_names(layer or ""), mapping.hf_shapes(model, megatron_shape)))]
+
+    out = [e for m in whole if m.megatron.startswith("embedding.") for e in entries(m, None, shapes[m.megatron])]
     for layer in _layer_range(model):
-        for mapping in per_layer:
-            out += [(n, s, mapping, layer, i) for i, (n, s) in enumerate(
-                zip(mapping.hf_names(layer), mapping.hf_shapes(model, shapes[hf_format.LAYER_PREFIX
-                                                                             + mapping.megatron][1:])))]
-    for mapping in tail:
-        out += [(n, s, mapping, None, i) for i, (n, s) in enumerate(
-            zip(mapping.hf_names(""), mapping.hf_shapes(model, shapes[mapping.megatron])))]
-    return out
+        for m in per_layer:
+            out += entries(m, layer, shapes[hf_format.LAYER_PREFIX + m.megatron][1:])
+    return out + [e for m in whole if not m.megatron.startswith("embedding.")
+                  for e in entries(m, None, shapes[m.megatron])]
 
 
 def _megatron_shapes(model: ModelConfig) -> dict[str, tuple]:

@@ -5,15 +5,15 @@ config.json, base models, not -Instruct). Instruct configs differ only where tra
 (``max_position_embeddings`` 32768, and ``rms_norm_eps`` 1e-6 for 14B-72B); convert an Instruct checkpoint
 with its own config.json (``scripts/convert_checkpoint.py`` reads it) rather than with these names.
 
-| size | layers | hidden | FFN   | heads | query groups | vocab (padded) | max positions | rope theta | RMSNorm eps | tied |
-|------|--------|--------|-------|-------|--------------|----------------|---------------|------------|-------------|------|
-| 0.5B | 24     | 896    | 4864  | 14    | 2            | 151936         | 32768         | 1e6        | 1e-6        | yes  |
-| 1.5B | 28     | 1536   | 8960  | 12    | 2            | 151936         | 131072        | 1e6        | 1e-6        | yes  |
-| 3B   | 36     | 2048   | 11008 | 16    | 2            | 151936         | 32768         | 1e6        | 1e-6        | yes  |
-| 7B   | 28     | 3584   | 18944 | 28    | 4            | 152064         | 131072        | 1e6        | 1e-6        | no   |
-| 14B  | 48     | 5120   | 13824 | 40    | 8            | 152064         | 131072        | 1e6        | 1e-5        | no   |
-| 32B  | 64     | 5120   | 27648 | 40    | 8            | 152064         | 131072        | 1e6        | 1e-5        | no   |
-| 72B  | 80     | 8192   | 29568 | 64    | 8            | 152064         | 131072        | 1e6        | 1e-5        | no   |
+| size | layers | hidden | FFN | heads | query groups | vocab (padded) | positions | rope theta | RMSNorm eps | tied |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| 0.5B | 24 | 896 | 4864 | 14 | 2 | 151936 | 32768 | 1e6 | 1e-6 | yes |
+| 1.5B | 28 | 1536 | 8960 | 12 | 2 | 151936 | 131072 | 1e6 | 1e-6 | yes |
+| 3B | 36 | 2048 | 11008 | 16 | 2 | 151936 | 32768 | 1e6 | 1e-6 | yes |
+| 7B | 28 | 3584 | 18944 | 28 | 4 | 152064 | 131072 | 1e6 | 1e-6 | no |
+| 14B | 48 | 5120 | 13824 | 40 | 8 | 152064 | 131072 | 1e6 | 1e-5 | no |
+| 32B | 64 | 5120 | 27648 | 40 | 8 | 152064 | 131072 | 1e6 | 1e-5 | no |
+| 72B | 80 | 8192 | 29568 | 64 | 8 | 152064 | 131072 | 1e6 | 1e-5 | no |
 
 Every Qwen2.5 model: RMSNorm, SwiGLU, rotary embeddings over the whole head, a bias on the query/key/value
 projections and on no other linear layer, no sliding window (``use_sliding_window: false``). The tokenizer

@@ -73,7 +73,8 @@ class SafetensorsStreamWriter:
         header, offset = {}, 0
         for name, dtype, shape in tensors:
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         if metadata:
             header["__metadata__"] = metadata
