@@ -30,9 +30,11 @@ setup(
     ],
     extras_require={
         # pyyaml: megatron reads per-group communicator YAML; transformers: tiny HF models to compare with
-        "test": ["pytest>=7", "pyyaml", "transformers>=4.56", "safetensors"],
+        "test": ["pytest>=7", "pyyaml", "transformers>=4.56", "safetensors", "tensorboard", "matplotlib"],
         # `python -m models.verify` runs the Hugging Face side of a converted checkpoint
         "hf": ["transformers>=4.56"],
+        # --tensorboard-dir, and scripts/plot_loss.py drawing the curves
+        "plot": ["tensorboard", "matplotlib"],
         # torch_npu must match torch and the installed CANN exactly: install Ascend's wheel for your
         # torch by hand (pip install torch-npu==<torch version>) on NPU machines only.
         "npu": ["pyyaml"],

@@ -1,0 +1,278 @@
+"""Megatron-LM's command-line arguments, the subset this flow supports, with Megatron-LM's names and
+meanings, validated before anything is built.
+
+Architecture arguments default to None: ``--model NAME`` (``models.names()``) supplies them and any given
+one overrides it (``models.provider.config_from_args``). An argument Megatron-LM has and this flow does not
+is refused by argparse ("unrecognized arguments"), never silently ignored; a combination that cannot run
+is one ``ArgumentError`` naming the values and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+class ArgumentError(ValueError):
+    """Arguments that cannot run together: says which and what to change."""
+
+
+def _model(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", help="a named model config (models.names()); other architecture arguments "
+                                   "override its values")
+    for name, kind in (("num-layers", int), ("hidden-size", int), ("ffn-hidden-size", int),
+                       ("num-attention-heads", int), ("num-query-groups", int), ("max-position-embeddings", int),
+                       ("rotary-base", float), ("norm-epsilon", float), ("vocab-size", int)):
+        g.add_argument(f"--{name}", type=kind)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"])
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron-LM's older spelling of --position-embedding-type rope")
+    g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"])
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pads the tokenizer's vocabulary (not a named model's, which is padded already)")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--transformer-impl", choices=["local"], default="local",
+                   help="the adapter's layer spec (its kernel provider picks TE, torch_npu or torch kernels)")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="accepted for Megatron-LM scripts: the kernel provider's core attention is always the "
+                        "fused one where the device has it")
+    g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion")
+    g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion")
+    g.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true")
+
+
+def _parallel(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo", "hccl"],
+                   help="checked against the adapter's backend (which picks NCCL, HCCL or gloo by itself)")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _training(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int)
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--train-iters", type=int)
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   default="linear")
+    g.add_argument("--lr-decay-iters", type=int)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, help="a static loss scale (fp16); default: dynamic")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"])
+    g.add_argument("--recompute-method", choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int)
+    g.add_argument("--seed", type=int, default=1234)
+
+
+def _data(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", help="PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ... for a blend")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
+    g.add_argument("--tokenizer-type", default="NullTokenizer",
+                   choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+                            "NullTokenizer"])
+    g.add_argument("--tokenizer-model")
+    g.add_argument("--dataloader-type", choices=["single", "cyclic"], default="single")
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--data-cache-path")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def _checkpointing(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save")
+    g.add_argument("--load")
+    g.add_argument("--save-interval", type=int)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the weights only and start at iteration 0")
+    g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
+    g.add_argument("--exit-interval", type=int, help="stop after the iteration divisible by this")
+
+
+def _logging(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("evaluation and logging")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir")
+    g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0)
+
+
+def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Megatron-LM-style pretraining through the device adapter",
+                                     allow_abbrev=False)
+    for add in (_model, _parallel, _training, _data, _checkpointing, _logging):
+        add(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser
+
+
+def parse_args(argv=None, extra_args_provider=None, defaults: dict | None = None) -> argparse.Namespace:
+    parser = build_parser(extra_args_provider)
+    if defaults:
+        parser.set_defaults(**defaults)
+    return parser.parse_args(argv)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ArgumentError(message)
+
+
+def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
+    """Check the arguments against each other and the world size; fills in what Megatron-LM derives
+    (data-parallel size, virtual pipeline size, params dtype, warmup iterations, decay iterations)."""
+    import torch
+
+    import models
+    from models.config import ModelConfigError
+    from models.provider import config_from_args
+
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    for name, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", cp), ("--micro-batch-size", args.micro_batch_size)):
+        _require(value >= 1, f"{name} {value}: must be at least 1")
+    model_parallel = tp * pp * cp
+    _require(world_size % model_parallel == 0,
+             f"world size {world_size} is not divisible by TP {tp} x PP {pp} x CP {cp} = {model_parallel}: "
+             "launch a multiple of that many processes or change the parallel sizes")
+    args.world_size = world_size
+    args.data_parallel_size = world_size // model_parallel
+
+    if args.use_rotary_position_embeddings and args.position_embedding_type is None:
+        args.position_embedding_type = "rope"
+    _require(args.model is not None or args.num_layers is not None,
+             "no model: pass --model NAME (one of " + ", ".join(models.names()) + ") or the architecture "
+             "arguments (--num-layers, --hidden-size, --num-attention-heads, ...)")
+    _require(args.seq_length is not None or args.model is not None, "--seq-length is required")
+    try:
+        args.model_config = config_from_args(args)
+    except ModelConfigError as exc:
+        raise ArgumentError(str(exc)) from exc
+    model = args.model_config
+    args.seq_length = model.seq_length
+
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        _require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        per_stage, per_chunk = model.num_layers // pp, args.num_layers_per_virtual_pipeline_stage
+        _require(model.num_layers % pp == 0 and per_stage % per_chunk == 0,
+                 f"{model.num_layers} layers over PP {pp} cannot be cut into virtual stages of {per_chunk} "
+                 "layers: choose a --num-layers-per-virtual-pipeline-stage dividing num_layers / PP")
+        vpp = per_stage // per_chunk
+        _require(args.virtual_pipeline_model_parallel_size in (None, vpp),
+                 f"--virtual-pipeline-model-parallel-size {args.virtual_pipeline_model_parallel_size} "
+                 f"contradicts --num-layers-per-virtual-pipeline-stage {per_chunk} (which gives {vpp})")
+        args.virtual_pipeline_model_parallel_size = vpp
+    if args.virtual_pipeline_model_parallel_size == 1:
+        args.virtual_pipeline_model_parallel_size = None
+    try:
+        model.check_layout(tp, pp, args.virtual_pipeline_model_parallel_size)
+    except ModelConfigError as exc:
+        raise ArgumentError(str(exc)) from exc
+
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    _require(args.global_batch_size % per_step == 0,
+             f"global batch {args.global_batch_size} is not divisible by micro batch {args.micro_batch_size} x "
+             f"data-parallel size {args.data_parallel_size} = {per_step}: change --global-batch-size or "
+             "--micro-batch-size")
+    args.num_micro_batches = args.global_batch_size // per_step
+    if args.virtual_pipeline_model_parallel_size is not None:
+        _require(args.num_micro_batches % pp == 0,
+                 f"the interleaved schedule needs the number of micro-batches ({args.num_micro_batches}) to be "
+                 f"a multiple of PP {pp}: change --global-batch-size")
+
+    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 together: choose one")
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron-LM: nothing to split over
+    _require(not args.overlap_param_gather or args.use_distributed_optimizer,
+             "--overlap-param-gather needs --use-distributed-optimizer")
+    _require(cp == 1, f"--context-parallel-size {cp}: context parallelism is not supported by the adapter's "
+                      "core attention yet; use 1")
+    _require(args.distributed_backend is None or _backend_matches(args.distributed_backend),
+             f"--distributed-backend {args.distributed_backend} does not match the adapter's backend "
+             f"({_backend_name()}): leave it out, the adapter picks the collective library")
+
+    _require(args.train_iters is not None and args.train_iters >= 0, "--train-iters is required (iterations)")
+    _require(args.lr is not None, "--lr is required")
+    _require(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
+             "--lr-warmup-fraction and --lr-warmup-iters together: give one")
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    _require(args.lr_warmup_iters <= args.lr_decay_iters,
+             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds the decay iterations {args.lr_decay_iters}")
+
+    _require(bool(args.mock_data) != bool(args.data_path),
+             "give exactly one of --data-path and --mock-data")
+    if args.data_path and len(args.data_path) > 1:
+        _require(len(args.data_path) % 2 == 0, "--data-path with several datasets is WEIGHT PREFIX pairs")
+    if args.tokenizer_type != "NullTokenizer":
+        _require(args.tokenizer_model is not None, f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    if args.save_interval is not None:
+        _require(args.save is not None, "--save-interval needs --save (the directory)")
+    if args.recompute_granularity == "full":
+        _require(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method")
+    for name in ("log_interval", "eval_interval", "save_interval", "exit_interval"):
+        value = getattr(args, name)
+        _require(value is None or value > 0, f"--{name.replace('_', '-')} {value}: must be positive")
+    return args
+
+
+def _backend_name() -> str:
+    import adapter
+
+    return adapter.current_backend().dist_backend
+
+
+def _backend_matches(requested: str) -> bool:
+    return requested == _backend_name()

@@ -1,0 +1,391 @@
+"""Each device's memory for a megatron-core training layout, worked out before 32 devices are booked for it.
+
+``plan(model, tp=8, pp=4, vpp=5, dp=1, ...)`` returns one ``StagePlan`` per pipeline rank, because the ranks
+differ: the first holds the embedding and the most micro-batches in flight, the last holds the output layer
+and the logits. ``python -m adapter.training.memory_plan <the pretrain_gpt.py arguments>`` prints the table.
+
+What megatron-core 0.16.1 keeps on a device (P = this device's parameters, D = data-parallel x context-parallel
+ranks, over which the distributed optimizer shards):
+
+- weights: P in the params dtype (2 bytes for bf16/fp16). Tensor-parallel layers hold 1/t of their weight;
+  norms (and row-parallel biases) are whole on every TP rank. A tied embedding is held by the first stage and,
+  as the output layer, again by the last.
+- grads: DDP's contiguous ``main_grad`` buffer covers all P, fp32 when ``grad_reduce_in_fp32`` (Megatron-LM
+  forces it for bf16), else the params dtype; the distributed optimizer reduce-scatters into it, it does not
+  shrink it.
+- optimizer: with 16-bit params, an fp32 master copy (4 bytes) and Adam's ``exp_avg`` and ``exp_avg_sq``
+  (4 + 4), 12 bytes per parameter, over D with the distributed optimizer (``DistributedOptimizer`` keeps the
+  master copy of its shard only), over 1 without; fp32 params have no master copy (8 bytes). With 16-bit grads
+  ``step()`` also makes an fp32 copy of the grad shard (4 bytes / D); it lives while the activations are
+  freed, so it is not added to the peak. Bucket padding (at most lcm(D, 128) values per bucket and 64 per
+  parameter) is left out.
+- activations: below; ``logits``: the last stage's output layer and loss, below.
+
+Not counted: the runtime's own memory (CUDA/CANN context, kernels' workspaces), communicator buffers
+(``HCCL_BUFFSIZE`` per group on Ascend), allocator fragmentation, and the backward pass's transient tensors
+(the gradient of one layer, a layer being recomputed).
+
+Activations per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4): with s tokens, micro-batch b, hidden h, a heads, t = TP and sequence
+parallelism, a GPT layer keeps sbh(34 + 5as/h)/t bytes: 2-byte activations, 1-byte dropout masks. Their
+terms, per token, re-derived for what megatron-core's layers save (e = bytes per activation value, d = head
+dim, g = query groups, f = FFN size):
+
+- sequence-parallel region, divided by t only with sequence parallelism: the input of each norm (2 x eh),
+  the input of QKV and of FC1 (2 x eh; with sequence parallelism the linear layer saves its sharded input
+  and all-gathers it again in the backward pass), and the dropout masks after the attention projection and
+  FC2 (2 x h bytes, only when hidden dropout > 0): 4eh + 2h. The paper's 10sbh.
+- attention, divided by t: queries e*a*d = eh; keys and values 2e*g*d, so GQA keeps 2eh*g/a where the paper
+  (g = a) keeps 2eh; the attention output, which is also the projection's input, eh. Flash attention
+  (``--use-flash-attn``) keeps only its fp32 log-sum-exp, 4a bytes, instead of scores. Megatron's unfused
+  attention repeats keys and values to all a heads first (3eh for Q, K, V), then keeps the softmax output
+  (e*as) and, with attention dropout, its mask and result (as + e*as): the paper's 5as^2b; its context
+  output is a fresh tensor (eh). MHA unfused: 4eh + 5as = 8h + 5as, the paper's attention block 11sbh +
+  5as^2b less its QKV input and dropout mask, counted above.
+- MLP, divided by t: GeLU keeps FC1's output (ef) and FC2's input (ef), 8h + 8h for f = 4h as in the paper;
+  fused SwiGLU keeps its input, FC1's output of 2f (2ef), and FC2's input (ef): 3ef.
+
+Summed for GeLU, MHA, unfused attention with dropout and f = 4h: 10h + 8h + 5as + 16h = 34h + 5as, the
+paper's formula. For Qwen2.5 with flash attention and no dropout: (4eh)/t + (eh(2 + 2g/a) + 4a + 3ef)/t.
+Selective recompute (megatron-core's default ``core_attn``) checkpoints core attention: its inputs (Q and the
+unrepeated K, V) and output stay, the scores or the log-sum-exp go. Full recompute keeps each checkpointed
+group's input, eh (over t with sequence parallelism): ``uniform`` with N layers per group keeps ceil(l/N)
+inputs for a chunk of l layers, ``block`` keeps the first N layers' inputs and the rest whole.
+
+Micro-batches in flight (megatron-core 0.16.1, ``pipeline_parallel/schedules.py``,
+``get_pp_rank_microbatches``): pipeline rank r runs ``w`` warmup forward passes, then one more forward before
+its first backward frees anything, so w + 1 passes are held (at most all of them). 1F1B: w = p - r - 1, each
+pass one stage of L/p layers, so rank 0 holds p micro-batches, L layers' worth. Interleaved 1F1B with v model
+chunks (micro-batch groups of p, Megatron-LM's default): w = 2(p - r - 1) + (v - 1)p, each pass one chunk of
+L/(pv) layers, so rank 0 holds L(1 + (p - 1)/(pv)) layers' worth, Korthikanti et al.'s section 4.2.3. The last
+stage runs its last chunk's backward right after that chunk's forward, so it holds one micro-batch's logits:
+the final norm's and output layer's inputs (2eh, over t with sequence parallelism), the vocab-parallel logits
+(e*V/t) and the fp32 copy the cross entropy turns into its saved softmax (4V/t).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import warnings
+
+from models.config import ModelConfig, ModelConfigError
+
+GIB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+RECOMPUTE = (None, "selective", "full")
+
+
+class PlanError(ValueError):
+    """A layout or batch megatron would refuse: names the values and what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """One device of pipeline rank ``stage``; every memory figure is in bytes."""
+
+    stage: int
+    layers: int
+    parameters: int  # on this device
+    passes_in_flight: int  # forward passes (micro-batch x model chunk) whose activations are held at the peak
+    layers_per_pass: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+
+    def gib(self) -> dict[str, float]:
+        return {name: getattr(self, name) / GIB
+                for name in ("weights", "grads", "optimizer", "activations", "logits", "total")}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    model: ModelConfig
+    tp: int
+    pp: int
+    vpp: int | None
+    dp: int
+    cp: int
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int
+    num_microbatches: int
+    params_dtype: str
+    grads_dtype: str
+    distributed_optimizer: bool
+    sequence_parallel: bool
+    flash_attention: bool
+    recompute: str | None
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def peak(self) -> StagePlan:
+        return max(self.stages, key=lambda stage: stage.total)
+
+    def table(self, model_name: str | None = None) -> str:
+        layout = (f"TP {self.tp} x PP {self.pp} x DP {self.dp}" + (f" x CP {self.cp}" if self.cp > 1 else "")
+                  + f" = {self.world_size} devices")
+        if self.vpp:
+            layout += f", {self.vpp} virtual stages of {self.model.num_layers // (self.pp * self.vpp)} layers"
+        shards = self.dp * self.cp
+        settings = [f"{self.params_dtype} weights", f"{self.grads_dtype} grads",
+                    f"distributed optimizer over {shards} rank{'s' if shards > 1 else ''}"
+                    if self.distributed_optimizer else "optimizer not sharded",
+                    "sequence parallel" if self.sequence_parallel else "no sequence parallel",
+                    "flash attention" if self.flash_attention else "unfused attention",
+                    f"{self.recompute} recompute" if self.recompute else "no recompute"]
+        lines = [f"memory plan per device: {model_name or 'model'}, {layout}",
+                 f"micro-batch {self.micro_batch_size} x seq {self.seq_length}, global batch "
+                 f"{self.global_batch_size} = {self.num_microbatches} micro-batches per step",
+                 ", ".join(settings), ""]
+        rows = [("", [f"stage {s.stage}" for s in self.stages]),
+                ("layers", [str(s.layers) for s in self.stages]),
+                ("parameters (M)", [f"{s.parameters / 1e6:.1f}" for s in self.stages]),
+                ("in flight (passes x layers)", [f"{s.passes_in_flight} x {s.layers_per_pass}" for s in self.stages])]
+        rows += [(f"{name} (GiB)", [f"{s.gib()[name]:.2f}" for s in self.stages])
+                 for name in ("weights", "grads", "optimizer", "activations", "logits", "total")]
+        width = max(len(label) for label, _ in rows) + 2
+        cell = max(len(value) for _, values in rows for value in values) + 2
+        lines += [label.ljust(width) + "".join(value.rjust(cell) for value in values) for label, values in rows]
+        peak = self.peak
+        lines += ["", f"needs {peak.total / GIB:.1f} GiB per device (stage {peak.stage}), plus the runtime's own "
+                      f"memory, communicator buffers and fragmentation"]
+        return "\n".join(lines)
+
+
+def _layer_parameters(model: ModelConfig) -> tuple[int, int]:
+    """(split over TP, whole on every TP rank) parameters of one transformer layer."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * d
+    fc1 = 2 * f if model.activation == "swiglu" else f
+    norm = 2 * h if model.normalization == "LayerNorm" else h
+    split = (qkv * h + h * h + fc1 * h + f * h + (qkv if model.add_qkv_bias else 0)
+             + (fc1 if model.add_bias_linear else 0))
+    whole = 2 * norm + (2 * h if model.add_bias_linear else 0)  # row-parallel biases (projection, FC2) are whole
+    return split, whole
+
+
+def _stage_parameters(model: ModelConfig, stage: int, pp: int, tp: int) -> int:
+    h, layers = model.hidden_size, model.num_layers // pp
+    split, whole = _layer_parameters(model)
+    split, whole = split * layers, whole * layers
+    if stage == 0:
+        split += model.vocab_size * h
+        whole += model.max_position_embeddings * h if model.position_embedding == "learned_absolute" else 0
+    if stage == pp - 1:
+        whole += 2 * h if model.normalization == "LayerNorm" else h
+        # a tied output layer reuses the embedding on a single stage, and holds a copy of it on the last one
+        if not model.tie_embeddings or pp > 1:
+            split += model.vocab_size * h
+    return split // tp + whole
+
+
+def _activation_bytes_per_token(model: ModelConfig, *, act_bytes: int, seq_per_rank: int, tp: int,
+                                sequence_parallel: bool, flash_attention: bool, selective: bool,
+                                hidden_dropout: bool, attention_dropout: bool) -> float:
+    """One layer's saved activations per token of a micro-batch, when the layer is not fully recomputed."""
+    e, h, f, d = act_bytes, model.hidden_size, model.ffn_hidden_size, model.head_dim
+    a, g = model.num_attention_heads, model.num_query_groups
+    sequence_region = 4 * e * h + (2 * h if hidden_dropout else 0)
+    if selective or flash_attention:
+        attention = e * (a * d + 2 * g * d) + e * h + (0 if selective else 4 * a)
+    else:
+        scores = e * a * seq_per_rank + ((1 + e) * a * seq_per_rank if attention_dropout else 0)
+        attention = 3 * e * a * d + e * h + scores
+    mlp = 3 * e * f if model.activation == "swiglu" else 2 * e * f
+    return sequence_region / (tp if sequence_parallel else 1) + (attention + mlp) / tp
+
+
+def passes_in_flight(pp: int, vpp: int | None, rank: int, num_microbatches: int) -> int:
+    """Forward passes (micro-batch x model chunk) whose activations rank ``rank`` holds at its peak."""
+    if vpp is None:
+        warmup = pp - rank - 1
+    else:
+        warmup = 2 * (pp - rank - 1) + (vpp - 1) * pp
+    return min(warmup + 1, num_microbatches * (vpp or 1))
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise PlanError(message)
+
+
+def plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None = None, dp: int, cp: int = 1,
+         micro_batch_size: int, global_batch_size: int, seq_length: int, params_dtype: str = "bf16",
+         distributed_optimizer: bool = True, sequence_parallel: bool = True, recompute: str | None = None,
+         recompute_method: str = "uniform", recompute_num_layers: int = 1, grad_reduce_in_fp32: bool = True,
+         flash_attention: bool = True, hidden_dropout: float = 0.0, attention_dropout: float = 0.0) -> MemoryPlan:
+    """The memory of one device per pipeline rank (see the module docstring for every term).
+
+    Raises ``ModelConfigError`` for a TP/PP/VPP the model cannot be split into and ``PlanError`` for sizes or
+    batches megatron would refuse."""
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp), ("micro_batch_size", micro_batch_size),
+                        ("global_batch_size", global_batch_size), ("seq_length", seq_length),
+                        ("recompute_num_layers", recompute_num_layers)):
+        _check(isinstance(value, int) and value >= 1, f"{name}={value!r}: must be a positive integer")
+    _check(params_dtype in DTYPE_BYTES, f"params_dtype={params_dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    _check(recompute in RECOMPUTE, f"recompute={recompute!r}: use selective, full or None")
+    _check(recompute_method in ("uniform", "block"), f"recompute_method={recompute_method!r}: use uniform or block")
+    vpp = None if vpp == 1 else vpp
+    _check(vpp is None or pp > 1, f"{vpp} virtual pipeline stages need a pipeline: PP must be above 1")
+    model.check_layout(tp, pp, vpp)
+    sequence_parallel = sequence_parallel and tp > 1
+    _check(seq_length % cp == 0, f"seq length {seq_length} is not divisible by CP {cp}: change one of them")
+    _check(not sequence_parallel or (seq_length // cp) % tp == 0,
+           f"sequence parallelism splits the {seq_length // cp} tokens of a rank over TP {tp}, which does not "
+           "divide them: change the seq length or TP")
+    per_step = micro_batch_size * dp
+    _check(global_batch_size % per_step == 0,
+           f"global batch {global_batch_size} is not divisible by micro batch {micro_batch_size} x DP {dp} = "
+           f"{per_step}: change the global or the micro batch size")
+    num_microbatches = global_batch_size // per_step
+    _check(vpp is None or num_microbatches % pp == 0,
+           f"the interleaved schedule runs micro-batches in groups of PP {pp}, which does not divide the "
+           f"{num_microbatches} micro-batches: change the global batch size")
+
+    weight_bytes = DTYPE_BYTES[params_dtype]
+    grads_dtype = "fp32" if grad_reduce_in_fp32 or params_dtype == "fp32" else params_dtype
+    optimizer_bytes = 8 if params_dtype == "fp32" else 12
+    shards = dp * cp if distributed_optimizer else 1
+
+    seq_per_rank = seq_length // cp
+    tokens = seq_per_rank * micro_batch_size
+    sequence_split = tp if sequence_parallel else 1
+    per_token = _activation_bytes_per_token(
+        model, act_bytes=weight_bytes, seq_per_rank=seq_per_rank, tp=tp, sequence_parallel=sequence_parallel,
+        flash_attention=flash_attention, selective=recompute == "selective", hidden_dropout=hidden_dropout > 0,
+        attention_dropout=attention_dropout > 0)
+    layer_bytes = tokens * per_token
+    input_bytes = tokens * weight_bytes * model.hidden_size / sequence_split
+    layers_per_pass = model.num_layers // (pp * (vpp or 1))
+    if recompute != "full":
+        pass_bytes = layers_per_pass * layer_bytes
+    elif recompute_method == "uniform":
+        pass_bytes = math.ceil(layers_per_pass / recompute_num_layers) * input_bytes
+    else:
+        checkpointed = min(recompute_num_layers, layers_per_pass)
+        pass_bytes = checkpointed * input_bytes + (layers_per_pass - checkpointed) * layer_bytes
+    logits = tokens * (2 * weight_bytes * model.hidden_size / sequence_split
+                       + (weight_bytes + 4) * model.vocab_size / tp)
+
+    stages = []
+    for stage in range(pp):
+        parameters = _stage_parameters(model, stage, pp, tp)
+        in_flight = passes_in_flight(pp, vpp, stage, num_microbatches)
+        stages.append(StagePlan(
+            stage=stage, layers=model.num_layers // pp, parameters=parameters, passes_in_flight=in_flight,
+            layers_per_pass=layers_per_pass, weights=parameters * weight_bytes,
+            grads=parameters * DTYPE_BYTES[grads_dtype], optimizer=parameters * optimizer_bytes // shards,
+            activations=round(in_flight * pass_bytes), logits=round(logits) if stage == pp - 1 else 0))
+    return MemoryPlan(model=model, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, micro_batch_size=micro_batch_size,
+                      global_batch_size=global_batch_size, seq_length=seq_length,
+                      num_microbatches=num_microbatches, params_dtype=params_dtype, grads_dtype=grads_dtype,
+                      distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
+                      flash_attention=flash_attention, recompute=recompute, stages=tuple(stages))
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The arguments the plan reads, with Megatron-LM's names and defaults; the rest are ignored, so the
+    launcher passes its whole pretrain_gpt.py argument list."""
+    parser = argparse.ArgumentParser(prog="python -m adapter.training.memory_plan", allow_abbrev=False,
+                                     description="Each device's planned memory for a Megatron-LM argument list")
+    parser.add_argument("--world-size", type=int,
+                        help="devices in all (default: NNODES x NPROC_PER_NODE from the environment)")
+    parser.add_argument("--model")
+    for name, kind in (("num-layers", int), ("hidden-size", int), ("ffn-hidden-size", int),
+                       ("num-attention-heads", int), ("num-query-groups", int), ("max-position-embeddings", int),
+                       ("seq-length", int), ("vocab-size", int), ("rotary-base", float), ("norm-epsilon", float),
+                       ("position-embedding-type", str), ("normalization", str)):
+        parser.add_argument(f"--{name}", type=kind)
+    for switch in ("group-query-attention", "swiglu", "disable-bias-linear", "add-qkv-bias",
+                   "untie-embeddings-and-output-weights", "use-rotary-position-embeddings", "sequence-parallel",
+                   "use-distributed-optimizer", "use-flash-attn", "bf16", "fp16"):
+        parser.add_argument(f"--{switch}", action="store_true")
+    for name, default in (("tensor-model-parallel-size", 1), ("pipeline-model-parallel-size", 1),
+                          ("context-parallel-size", 1), ("micro-batch-size", 1)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    parser.add_argument("--global-batch-size", type=int)
+    parser.add_argument("--hidden-dropout", type=float, default=0.1)
+    parser.add_argument("--attention-dropout", type=float, default=0.1)
+    parser.add_argument("--recompute-granularity", choices=["full", "selective"])
+    parser.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
+    parser.add_argument("--recompute-num-layers", type=int, default=1)
+    return parser
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    if args.world_size is not None:
+        return args.world_size
+    _check("NPROC_PER_NODE" in os.environ, "no world size: pass --world-size N or set NPROC_PER_NODE (and NNODES)")
+    try:
+        return int(os.environ.get("NNODES", "1")) * int(os.environ["NPROC_PER_NODE"])
+    except ValueError as exc:
+        raise PlanError(f"NNODES and NPROC_PER_NODE must be integers ({exc})") from exc
+
+
+def plan_from_args(argv: list[str]) -> tuple[MemoryPlan, str]:
+    """The plan for a Megatron-LM argument list, and the model's name for the table."""
+    args, _ = _parser().parse_known_args(argv)
+    _check(args.model is not None or args.num_layers is not None,
+           "no model: pass --model NAME or the architecture arguments (--num-layers, --hidden-size, ...)")
+    _check(not (args.bf16 and args.fp16), "--bf16 and --fp16 together: choose one")
+    if args.use_rotary_position_embeddings and args.position_embedding_type is None:
+        args.position_embedding_type = "rope"
+    with warnings.catch_warnings():  # megatron's import warns about apex and TE, which a plan does not use
+        warnings.simplefilter("ignore")
+        from models.provider import config_from_args
+    model = config_from_args(args)
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    world = _world_size(args)
+    _check(min(tp, pp, cp, world) >= 1, f"world size {world}, TP {tp}, PP {pp}, CP {cp}: all must be at least 1")
+    vpp = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage, per_chunk = model.num_layers // pp, args.num_layers_per_virtual_pipeline_stage
+        _check(per_chunk >= 1 and model.num_layers % pp == 0 and per_stage % per_chunk == 0,
+               f"{model.num_layers} layers over PP {pp} cannot be cut into virtual stages of {per_chunk} layers: "
+               "choose a --num-layers-per-virtual-pipeline-stage dividing num_layers / PP")
+        vpp = per_stage // per_chunk
+    model.check_layout(tp, pp, vpp)  # before the world size: a TP the model cannot take is the first thing to fix
+    _check(world % (tp * pp * cp) == 0,
+           f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp}: launch a "
+           "multiple of that many devices or change the parallel sizes")
+    dp = world // (tp * pp * cp)
+    params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    result = plan(model, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, micro_batch_size=args.micro_batch_size,
+                  global_batch_size=args.global_batch_size or args.micro_batch_size * dp,
+                  seq_length=model.seq_length, params_dtype=params_dtype,
+                  distributed_optimizer=args.use_distributed_optimizer, sequence_parallel=args.sequence_parallel,
+                  recompute=args.recompute_granularity, recompute_method=args.recompute_method,
+                  recompute_num_layers=args.recompute_num_layers,
+                  # the pretrain flow reduces 16-bit models' grads in fp32 (Megatron-LM does for bf16)
+                  grad_reduce_in_fp32=True, flash_attention=args.use_flash_attn,
+                  hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout)
+    return result, args.model or "model"
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        result, name = plan_from_args(sys.argv[1:] if argv is None else argv)
+    except (PlanError, ModelConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(result.table(name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

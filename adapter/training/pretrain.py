@@ -1,0 +1,269 @@
+"""``pretrain``: Megatron-LM's four steps on megatron-core, through the device adapter.
+
+1. initialize: arguments (Megatron-LM's names), tokenizer, the adapter's process group (gloo / NCCL /
+   HCCL), megatron's model-parallel groups, seeds, the micro-batch calculator;
+2. model (one chunk per virtual pipeline stage, wrapped in megatron-core's DDP), optimizer
+   (``get_megatron_optimizer``, distributed when asked) and ``OptimizerParamScheduler``; ``--load``;
+3. train / valid / test data iterators from the dataset provider;
+4. train by iterations (``train_step``: zero grads, ``forward_backward_func``, optimizer step, scheduler
+   step), evaluating every ``--eval-interval`` and saving every ``--save-interval``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+import adapter
+from adapter.training import checkpointing, global_vars
+from adapter.training.arguments import ArgumentError, parse_args, validate_args
+from adapter.training.training_log import TrainingLog
+
+
+def initialize(extra_args_provider=None, args_defaults: dict | None = None, argv=None):
+    """Parse and check the arguments, build the tokenizer, start the groups; returns the arguments."""
+    import os
+
+    import models
+    from adapter.training.tokenizer import build_tokenizer
+
+    args = parse_args(argv, extra_args_provider, args_defaults)
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None and args.model:
+        args.vocab_size = models.get(args.model).vocab_size - 1  # NullTokenizer adds the EOD id
+    try:
+        tokenizer = build_tokenizer(args)
+    except ValueError as exc:  # a tokenizer type or model file that does not work: an argument problem
+        raise ArgumentError(str(exc)) from exc
+    _pad_vocab(args, tokenizer.vocab_size)
+    validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    global_vars.set_args(args)
+    global_vars.set_tokenizer(tokenizer)
+
+    adapter.init_distributed(timeout=args.distributed_timeout_minutes)
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size, context_parallel_size=args.context_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes)
+    init_num_microbatches_calculator(torch.distributed.get_rank(), None, args.global_batch_size,
+                                     args.micro_batch_size, args.data_parallel_size)
+    # as Megatron-LM: pipeline stages draw different streams, data-parallel replicas the same
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return args
+
+
+def _pad_vocab(args, tokenizer_vocab: int) -> None:
+    """A named model's embedding is padded already (and must hold the tokenizer); otherwise pad the
+    tokenizer's vocabulary to --make-vocab-size-divisible-by x TP, as Megatron-LM does."""
+    import models
+
+    if args.model:
+        rows = models.get(args.model).vocab_size
+        if tokenizer_vocab > rows:
+            raise ArgumentError(f"the tokenizer has {tokenizer_vocab} entries, more than the {rows} embedding "
+                                f"rows of {args.model}: use the model's tokenizer or override --vocab-size")
+        args.padded_vocab_size = rows
+        return
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    args.padded_vocab_size = -(-tokenizer_vocab // multiple) * multiple
+
+
+def transformer_config_overrides(args) -> dict:
+    """TransformerConfig fields from the arguments: what a model provider passes on
+    (``models.provider.make_model_provider(args.model_config, **transformer_config_overrides(args))``)."""
+    recompute = {}
+    if args.recompute_granularity:
+        recompute = dict(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                         recompute_num_layers=args.recompute_num_layers or
+                         (1 if args.recompute_method == "uniform" else None))
+    return dict(
+        params_dtype=args.params_dtype, pipeline_dtype=args.params_dtype, bf16=args.bf16, fp16=args.fp16,
+        sequence_parallel=args.sequence_parallel, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        masked_softmax_fusion=args.masked_softmax_fusion, bias_activation_fusion=args.bias_swiglu_fusion,
+        apply_rope_fusion=args.apply_rope_fusion, cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        attention_softmax_in_fp32=True, use_cpu_initialization=not adapter.device.is_available(),
+        deallocate_pipeline_outputs=True, **recompute)
+
+
+def setup_model_and_optimizer(model_provider, model_type=ModelType.encoder_or_decoder):
+    """Model chunks (DDP-wrapped), optimizer and LR scheduler for the arguments."""
+    args = global_vars.get_args()
+    if model_type != ModelType.encoder_or_decoder:
+        raise ArgumentError(f"model type {model_type}: this flow trains decoder-only models")
+    vpp = args.virtual_pipeline_model_parallel_size
+    stages = [None] if vpp is None else list(range(vpp))
+    chunks = [model_provider(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=s),
+                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=s),
+                             vp_stage=s) for s in stages]
+    config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.params_dtype != torch.float32,
+        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=args.ddp_bucket_size)
+    chunks = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+              for i, chunk in enumerate(chunks)]
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=args.params_dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather), chunks)
+    for chunk_config in {id(c.config): c.config for c in chunks}.values():
+        chunk_config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        chunk_config.finalize_model_grads_func = finalize_model_grads
+        chunk_config.grad_scale_func = optimizer.scale_loss
+        if args.overlap_param_gather:
+            chunk_config.param_sync_func = ([c.start_param_sync for c in chunks] if len(chunks) > 1
+                                            else chunks[0].start_param_sync)
+    samples = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples, lr_decay_steps=args.lr_decay_iters * samples,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
+    return chunks, optimizer, scheduler
+
+
+def _reduced_losses(losses: list[dict]) -> dict:
+    """Mean of each logged loss over the micro-batches of this rank, then over data-parallel ranks. A
+    loss given as [sum, count] (Megatron-LM's per-token form) is summed before dividing."""
+    if not losses or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return {}
+    out = {}
+    for name in losses[0]:
+        values = torch.stack([entry[name].float().reshape(-1) for entry in losses])
+        pair = values.shape[-1] == 2
+        total = values.sum(dim=0) if pair else torch.stack([values.mean(), torch.ones(())])
+        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        out[name] = (total[0] / total[1]).item()
+    return out
+
+
+def train_step(forward_step_func, data_iterator, model: list, optimizer, scheduler):
+    """One iteration: returns (losses on the last stage, skipped?, grad norm)."""
+    args = global_vars.get_args()
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step_func, data_iterator=data_iterator,
+        model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
+    succeeded, grad_norm, _ = optimizer.step()
+    if succeeded:
+        scheduler.step(increment=args.global_batch_size)
+    return _reduced_losses(losses), not succeeded, grad_norm
+
+
+def evaluate(forward_step_func, data_iterator, model: list, eval_iters: int) -> dict:
+    """Mean losses over ``eval_iters`` global batches, without gradients."""
+    args = global_vars.get_args()
+    for chunk in model:
+        chunk.eval()
+    totals: dict[str, float] = {}
+    with torch.no_grad():
+        for _ in range(eval_iters):
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step_func, data_iterator=data_iterator,
+                model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
+                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=True)
+            for name, value in _reduced_losses(losses).items():
+                totals[name] = totals.get(name, 0.0) + value / eval_iters
+    for chunk in model:
+        chunk.train()
+    return totals
+
+
+def build_train_valid_test_data_iterators(dataset_provider, consumed: dict) -> tuple[tuple, list[bool]]:
+    """(train, valid, test) iterators from ``dataset_provider([train, valid, test samples])``, resuming
+    after the consumed samples; one iterator per model chunk under the interleaved schedule, since each
+    virtual stage draws its own micro-batches; None on ranks that read no data. Also returns, per
+    split, whether it has data on any rank."""
+    from adapter.training.data import build_pretraining_data_loader
+
+    args = global_vars.get_args()
+    evaluations = args.train_iters // args.eval_interval + 1 if args.eval_iters else 0
+    samples = [args.train_iters * args.global_batch_size, evaluations * args.eval_iters * args.global_batch_size,
+               args.eval_iters * args.global_batch_size]
+    try:
+        datasets = dataset_provider(samples)
+    except (ValueError, FileNotFoundError) as exc:  # --data-path that does not hold the data
+        raise ArgumentError(f"the datasets could not be built: {exc}") from exc
+    starts = (consumed["train"], consumed["valid"], 0)
+    copies = args.virtual_pipeline_model_parallel_size or 1
+
+    def iterators(dataset, start):
+        if dataset is None or len(dataset) == 0:
+            return None
+        made = [iter(build_pretraining_data_loader(dataset, start, args)) for _ in range(copies)]
+        return made if copies > 1 else made[0]
+
+    # Ranks that read no data (not TP rank 0, or a middle stage) get no datasets; whether the valid
+    # and test splits have data is decided for all ranks together, so all run the same evaluations.
+    present = torch.tensor([int(d is not None and len(d) > 0) for d in datasets])
+    torch.distributed.all_reduce(present, op=torch.distributed.ReduceOp.MAX)
+    return tuple(iterators(d, start) for d, start in zip(datasets, starts)), [bool(p) for p in present.tolist()]
+
+
+def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+             process_non_loss_data_func=None, extra_args_provider=None, args_defaults: dict | None = None,
+             argv=None) -> dict:
+    """Megatron-LM's ``pretrain``; returns what was logged (losses per log line, validation losses)."""
+    args = initialize(extra_args_provider, args_defaults, argv)
+    model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type)
+    iteration, consumed = 0, {"train": 0, "valid": 0}
+    if args.load:
+        iteration, consumed = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+    (train_iter, valid_iter, test_iter), (_, do_valid, do_test) = build_train_valid_test_data_iterators(
+        train_valid_test_dataset_provider, consumed)
+    log = TrainingLog(args)
+    history = {"train": [], "validation": [], "iteration": iteration}
+    for chunk in model:
+        chunk.train()
+    while iteration < args.train_iters:
+        losses, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler)
+        iteration += 1
+        consumed["train"] += args.global_batch_size
+        log.add(losses, skipped)
+        logged = log.step(iteration, consumed["train"], scheduler.get_lr(optimizer.param_groups[0]),
+                          optimizer.get_loss_scale().item(), grad_norm)
+        if logged:
+            history["train"].append(logged)
+        if do_valid and args.eval_iters and iteration % args.eval_interval == 0:
+            with log.excluded():
+                valid = evaluate(forward_step_func, valid_iter, model, args.eval_iters)
+            consumed["valid"] += args.eval_iters * args.global_batch_size
+            log.validation(iteration, valid)
+            history["validation"].append({"iteration": iteration, **valid})
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            with log.excluded():
+                checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            break
+    if args.save and (not args.save_interval or iteration % args.save_interval):
+        checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
+    if do_test and args.eval_iters:
+        test = evaluate(forward_step_func, test_iter, model, args.eval_iters)
+        log.validation(iteration, test, label="test")
+        history["test"] = test
+    log.close()
+    history["iteration"] = iteration
+    torch.distributed.barrier()
+    return history

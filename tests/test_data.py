@@ -1,0 +1,298 @@
+"""The data half of the pretrain flow: preprocessing round trip and its errors, the tokenizers, the dataset
+provider (blends, mock data), the data loader's orders, and get_batch across tensor and pipeline ranks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import adapter  # noqa: F401  - before megatron
+import pytest
+import torch
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from adapter.training import data, global_vars
+from adapter.training.tokenizer import build_tokenizer
+from scripts import preprocess_data, prepare_sample_data
+from tests import data_ranks
+from tests.distributed import ROOT, run_ranks
+
+CORPUS = prepare_sample_data.CORPUS
+
+
+def _corpus_texts() -> list[str]:
+    with open(CORPUS, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+@pytest.fixture(scope="module")
+def sample_data(tmp_path_factory):
+    """The demo's data, as scripts/prepare_sample_data.py makes it: (data prefix, tokenizer model)."""
+    directory = tmp_path_factory.mktemp("sample-data")
+    return prepare_sample_data.prepare(directory), str(directory / "tokenizer.model")
+
+
+def _sp_args(model: str, **extra) -> argparse.Namespace:
+    return argparse.Namespace(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=model, **extra)
+
+
+def _write_jsonl(path, lines) -> str:
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+# ---------------------------------------------------------------- preprocessing
+def test_sample_corpus_is_small_ascii_jsonl():
+    texts = _corpus_texts()
+    assert CORPUS.stat().st_size <= 1_500_000 and len(texts) > 400
+    assert all(text and text.isascii() for text in texts)
+
+
+def test_preprocess_round_trip_decodes_every_document_to_its_text(sample_data):
+    prefix, model = sample_data
+    tokenizer = build_tokenizer(_sp_args(model))
+    assert tokenizer.vocab_size == 512
+    dataset = IndexedDataset(prefix)
+    texts = _corpus_texts()
+    assert len(dataset) == len(texts)
+    for i, text in enumerate(texts):
+        ids = dataset[i].tolist()
+        assert ids[-1] == tokenizer.eod and tokenizer.eod not in ids[:-1]
+        assert tokenizer.detokenize(ids[:-1]) == text, f"document {i}"
+
+
+def test_workers_write_the_same_files_as_one_process(sample_data, tmp_path):
+    _, model = sample_data
+    source = _write_jsonl(tmp_path / "part.jsonl", CORPUS.read_text().splitlines()[:60])
+    common = ["--input", source, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model,
+              "--append-eod", "--no-progress"]
+    assert preprocess_data.main(common + ["--output-prefix", str(tmp_path / "one"), "--workers", "1"]) == 0
+    assert preprocess_data.main(common + ["--output-prefix", str(tmp_path / "two"), "--workers", "2"]) == 0
+    for suffix in (".bin", ".idx"):
+        one = (tmp_path / f"one_text_document{suffix}").read_bytes()
+        assert one == (tmp_path / f"two_text_document{suffix}").read_bytes()
+
+
+def test_hugging_face_tokenizer_round_trip(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = _corpus_texts()[:20]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(tmp_path / "hf")
+    source = _write_jsonl(tmp_path / "docs.jsonl", [json.dumps({"text": t}) for t in texts])
+    assert preprocess_data.main(["--input", source, "--output-prefix", str(tmp_path / "hfdata"),
+                                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                 str(tmp_path / "hf"), "--append-eod", "--no-progress"]) == 0
+    tokenizer = build_tokenizer(argparse.Namespace(tokenizer_type="HuggingFaceTokenizer",
+                                                   tokenizer_model=str(tmp_path / "hf")))
+    dataset = IndexedDataset(str(tmp_path / "hfdata_text_document"))
+    for i, text in enumerate(texts):
+        assert dataset[i][-1] == tokenizer.eod
+        assert tokenizer.detokenize(dataset[i][:-1].tolist()) == text
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"text": "fine"}', '{"text": "broken'], "docs.jsonl:2: not a JSON object"),
+    (['{"text": "fine"}', '', '["a list"]'], "docs.jsonl:3: not a JSON object but list"),
+    (['{"text": "fine"}', '{"body": "no text"}'], "docs.jsonl:2: no key 'text' (the line has: 'body')"),
+    (['{"text": 7}'], "docs.jsonl:1: 'text' is a int, not a string"),
+])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bad_input_is_one_error_line_and_leaves_no_files(sample_data, tmp_path, capsys, lines, message, workers):
+    _, model = sample_data
+    source = _write_jsonl(tmp_path / "docs.jsonl", lines)
+    status = preprocess_data.main(["--input", source, "--output-prefix", str(tmp_path / "out" / "data"),
+                                   "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model,
+                                   "--workers", str(workers), "--no-progress"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not any((tmp_path / "out").iterdir())
+
+
+def test_cli_missing_input_exits_2_without_traceback(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"),
+                             "--input", str(tmp_path / "absent.jsonl"), "--output-prefix", str(tmp_path / "x"),
+                             "--tokenizer-type", "NullTokenizer", "--vocab-size", "16"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: --input '{tmp_path / 'absent.jsonl'}': no such file"]
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- tokenizers
+@pytest.mark.parametrize("args, message", [
+    (dict(tokenizer_type="GPT2BPE"), "--tokenizer-type 'GPT2BPE' is not supported; use one of: "),
+    (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model="missing.model"),
+     "--tokenizer-model 'missing.model' is not a file"),
+    (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None), "--tokenizer-model None is not a directory"),
+    (dict(tokenizer_type="NullTokenizer"), "--vocab-size None: NullTokenizer needs a positive --vocab-size"),
+])
+def test_bad_tokenizer_arguments_are_value_errors(args, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(".", r"\.")):
+        build_tokenizer(argparse.Namespace(**args))
+
+
+def test_corrupt_sentencepiece_model_is_a_value_error(tmp_path):
+    (tmp_path / "bad.model").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="could not be loaded as a GPTSentencePieceTokenizer"):
+        build_tokenizer(_sp_args(str(tmp_path / "bad.model")))
+
+
+def test_null_tokenizer_adds_the_end_of_document_id():
+    tokenizer = build_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=1000))
+    assert (tokenizer.vocab_size, tokenizer.eod) == (1001, 1000)
+    assert tokenizer.detokenize(tokenizer.tokenize("3 1 4")) == "3 1 4"
+
+
+# ---------------------------------------------------------------- datasets
+def _provider_args(tokenizer, **extra) -> None:
+    """Megatron-LM's arguments for the provider. No data_cache_path: with one, megatron-core's BlendedDataset
+    asks torch.distributed for the rank, and these tests run without a process group (GPTDataset then caches its
+    indices beside the data)."""
+    args = argparse.Namespace(split="1,0,0", seq_length=16, seed=1234, data_cache_path=None, mock_data=False,
+                              **extra)
+    global_vars.set_args(args)
+    global_vars.set_tokenizer(tokenizer)
+
+
+def test_blend_draws_samples_in_proportion_to_its_weights(tmp_path):
+    """Dataset A holds only token 1, dataset B only token 2: each sample tells where it came from."""
+    tokenizer = build_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=16))
+    prefixes = []
+    for name, token in (("a", 1), ("b", 2)):
+        source = _write_jsonl(tmp_path / f"{name}.jsonl",
+                              [json.dumps({"text": " ".join([str(token)] * 40)})] * 50)
+        assert preprocess_data.main(["--input", source, "--output-prefix", str(tmp_path / name), "--tokenizer-type",
+                                     "NullTokenizer", "--vocab-size", "16", "--append-eod", "--no-progress"]) == 0
+        prefixes.append(str(tmp_path / f"{name}_text_document"))
+    _provider_args(tokenizer, data_path=["0.3", prefixes[0], "0.7", prefixes[1]])
+    train, valid, test = data.train_valid_test_datasets_provider([2000, 0, 0])
+    assert isinstance(train, BlendedDataset) and valid is None and test is None
+    sources = Counter(int(train[i]["tokens"][train[i]["tokens"] != tokenizer.eod][0]) for i in range(len(train)))
+    assert len(train) >= 2000 and set(sources) == {1, 2}
+    assert sources[1] / len(train) == pytest.approx(0.3, abs=0.02)
+
+
+def test_single_dataset_splits_and_mock_data(sample_data):
+    prefix, model = sample_data
+    _provider_args(build_tokenizer(_sp_args(model)), data_path=[prefix])
+    global_vars.get_args().split = "90,10,0"
+    train, valid, test = data.train_valid_test_datasets_provider([100, 10, 0])
+    assert isinstance(train, GPTDataset) and isinstance(valid, GPTDataset) and test is None
+    assert train[0]["tokens"].shape == (16,) and train[0]["attention_mask"].shape == (1, 16, 16)
+    global_vars.get_args().mock_data = True
+    train, _, _ = data.train_valid_test_datasets_provider([100, 10, 0])
+    assert isinstance(train, MockGPTDataset)
+
+
+@pytest.mark.parametrize("data_path, message", [
+    (None, "no training data: pass --data-path"),
+    (["/nowhere/corpus_text_document"], "--data-path '/nowhere/corpus_text_document': "
+                                         "/nowhere/corpus_text_document.bin and"),
+])
+def test_missing_data_is_a_value_error(data_path, message):
+    _provider_args(build_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=8)),
+                   data_path=data_path)
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(".", r"\.")):
+        data.train_valid_test_datasets_provider([10, 0, 0])
+
+
+# ---------------------------------------------------------------- samplers and loader
+def _run(sampler, count=None) -> list[list[int]]:
+    batches = iter(sampler)
+    return [next(batches) for _ in range(count)] if count else list(batches)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_single_order_resumed_continues_exactly_where_it_stopped(dp):
+    total, micro, consumed = 103, 3, 4 * 3 * dp
+    for rank in range(dp):
+        full = _run(data.PretrainingSampler(total, 0, micro, rank, dp))
+        resumed = data.PretrainingSampler(total, consumed, micro, rank, dp)
+        assert _run(resumed) == full[4:] and len(resumed) == len(full) - 4
+    ranks = [_run(data.PretrainingSampler(total, 0, micro, rank, dp)) for rank in range(dp)]
+    first_global_batch = sorted(i for batches in ranks for i in batches[0])
+    assert first_global_batch == list(range(micro * dp))  # the ranks share each global batch without overlap
+
+
+def test_single_order_refuses_an_exhausted_dataset():
+    with pytest.raises(ValueError, match="consumed_samples 10 leaves nothing"):
+        data.PretrainingSampler(10, 10, 2, 0, 1)
+
+
+def test_cyclic_order_is_seeded_random_per_epoch_and_resumable():
+    total, micro, dp = 50, 4, 2  # 48 samples per epoch: 6 global batches
+    per_rank = [_run(data.CyclicPretrainingSampler(total, 0, micro, r, dp, seed=7), 15) for r in range(dp)]
+    assert per_rank[0] == _run(data.CyclicPretrainingSampler(total, 0, micro, 0, dp, seed=7), 15)
+    assert per_rank[0] != _run(data.CyclicPretrainingSampler(total, 0, micro, 0, dp, seed=8), 15)
+    epochs = [sorted(i for batches in per_rank for b in batches[e * 6:(e + 1) * 6] for i in b) for e in (0, 1)]
+    assert epochs[0] == epochs[1] == list(range(48))  # each epoch reads every sample once, across the ranks
+    assert per_rank[0][:6] != per_rank[0][6:12]  # a new order each epoch
+    consumed = 4 * micro * dp  # resume inside the first epoch, read on into the second
+    assert _run(data.CyclicPretrainingSampler(total, consumed, micro, 1, dp, seed=7), 11) == per_rank[1][4:15]
+
+
+class _Numbers(torch.utils.data.Dataset):
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        return {"tokens": torch.tensor([i])}
+
+
+@pytest.mark.parametrize("kind", ["single", "cyclic"])
+def test_data_loader_reads_this_data_parallel_ranks_micro_batches(monkeypatch, kind):
+    monkeypatch.setattr(parallel_state, "get_data_parallel_rank", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda: 2)
+    args = argparse.Namespace(micro_batch_size=2, dataloader_type=kind, num_workers=0, seed=3)
+    loader = data.build_pretraining_data_loader(_Numbers(), 4, args)
+    sampler = (data.PretrainingSampler(20, 4, 2, 1, 2) if kind == "single"
+               else data.CyclicPretrainingSampler(20, 4, 2, 1, 2, seed=3))
+    got = [batch["tokens"].flatten().tolist() for batch, _ in zip(loader, range(3))]
+    assert got == _run(sampler, 3)
+    assert data.build_pretraining_data_loader(None, 0, args) is None
+    with pytest.raises(ValueError, match="--dataloader-type 'external' is not supported"):
+        data.build_pretraining_data_loader(_Numbers(), 0, argparse.Namespace(**{**vars(args),
+                                                                              "dataloader_type": "external"}))
+
+
+# ---------------------------------------------------------------- get_batch on ranks
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_tensor_parallel_ranks_get_the_same_batch(sample_data, tmp_path):
+    prefix, model = sample_data
+    results = run_ranks(2, data_ranks.batches_on_rank, 2, 1, prefix, model, str(tmp_path / "cache"))
+    assert [r["has_dataset"] for r in results] == [True, False]
+    for step, expected in enumerate(results[0]["expected_tokens"]):
+        first, second = (r["batches"][step] for r in results)
+        assert torch.equal(first[0], expected)
+        for a, b in zip(first, second):
+            assert a is not None and a.dtype == b.dtype and torch.equal(a, b)
+        tokens, labels, loss_mask, attention_mask, position_ids = first
+        assert attention_mask.dtype == torch.bool and attention_mask.shape == (2, 1, 32, 32)
+        assert loss_mask.dtype == torch.float32 and position_ids.shape == tokens.shape == labels.shape == (2, 32)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_middle_pipeline_stage_gets_no_batch(sample_data, tmp_path):
+    prefix, model = sample_data
+    results = run_ranks(3, data_ranks.batches_on_rank, 1, 3, prefix, model, str(tmp_path / "cache"), 1)
+    by_stage = {r["pp_rank"]: r for r in results}
+    assert [by_stage[s]["has_dataset"] for s in range(3)] == [True, False, True]
+    assert by_stage[1]["batches"] == [(None,) * 5]
+    for stage in (0, 2):
+        assert torch.equal(by_stage[stage]["batches"][0][0], by_stage[stage]["expected_tokens"][0])

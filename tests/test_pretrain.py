@@ -1,0 +1,108 @@
+"""The pretrain flow end to end on gloo ranks: training lowers the loss, a resumed run continues the
+uninterrupted loss curve exactly (also after a kill during a save), a run resumes at another layout, and
+bad arguments are one clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from adapter.training.arguments import ArgumentError, parse_args, validate_args
+from tests.distributed import ROOT, RankFailure, run_ranks
+from tests.pretrain_ranks import run_pretrain, run_pretrain_killed_in_save
+
+pytestmark = pytest.mark.multiproc
+
+
+def _argv(iters: int, tp: int = 1, pp: int = 1, *extra: str) -> list[str]:
+    return ["--model", "qwen2.5-tiny", "--tensor-model-parallel-size", str(tp),
+            "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--seq-length", "32", "--train-iters", str(iters), "--lr", "3e-3", "--min-lr", "3e-4",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data", "--log-interval", "1",
+            "--eval-interval", "1000", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--use-distributed-optimizer", "--ddp-bucket-size", "4096", "--seed", "7", *extra]
+
+
+def _losses(results: list[dict]) -> dict[int, float]:
+    """iteration -> lm loss, from the rank that logged (the last stage's)."""
+    curves = [{entry["iteration"]: entry["lm loss"] for entry in r["train"] if "lm loss" in entry} for r in results]
+    curves = [c for c in curves if c]
+    assert curves, "no rank logged a loss"
+    return curves[-1]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """TP2 x PP2 on 4 ranks, 12 iterations: the reference curve."""
+    return _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2)))
+
+
+def test_tiny_qwen_trains_and_the_loss_falls(uninterrupted):
+    assert sorted(uninterrupted) == list(range(1, 13))
+    assert uninterrupted[12] < uninterrupted[1] - 0.3
+
+
+def test_resume_continues_the_uninterrupted_curve_bit_exactly(uninterrupted, tmp_path):
+    # the same --train-iters (it sets the LR schedule and the dataset's sample order), stopped at 6
+    first = _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2, "--save", str(tmp_path), "--save-interval", "3",
+                                                     "--exit-interval", "6")))
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "6"
+    resumed = _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2, "--load", str(tmp_path))))
+    assert sorted(resumed) == list(range(7, 13))
+    assert {i: first[i] for i in range(1, 7)} == {i: uninterrupted[i] for i in range(1, 7)}
+    assert resumed == {i: uninterrupted[i] for i in range(7, 13)}
+
+
+def test_kill_during_save_leaves_the_previous_checkpoint_to_resume_from(uninterrupted, tmp_path):
+    with pytest.raises(RankFailure):
+        run_ranks(4, run_pretrain_killed_in_save,
+                  _argv(12, 2, 2, "--save", str(tmp_path), "--save-interval", "3"), 6)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert not (tmp_path / "iter_0000006").exists()
+    resumed = _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2, "--load", str(tmp_path), "--save", str(tmp_path),
+                                                       "--save-interval", "3")))
+    assert resumed == {i: uninterrupted[i] for i in range(4, 13)}
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "12"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_resume_at_another_layout_continues_the_curve(uninterrupted, tmp_path):
+    """Saved at TP2 x PP2 (4 ranks), resumed at TP1 x DP2 (2 ranks): same data order, same weights and
+    optimizer state, so the same losses up to reduction order."""
+    run_ranks(4, run_pretrain, _argv(12, 2, 2, "--save", str(tmp_path), "--exit-interval", "6"))
+    resumed = _losses(run_ranks(2, run_pretrain, _argv(12, 1, 1, "--load", str(tmp_path))))
+    assert sorted(resumed) == list(range(7, 13))
+    for i in range(7, 13):
+        assert resumed[i] == pytest.approx(uninterrupted[i], abs=2e-4)
+
+
+@pytest.mark.parametrize("change, world, message", [
+    (["--global-batch-size", "6"], 2, "global batch 6 is not divisible by micro batch 2 x data-parallel size 2"),
+    (["--tensor-model-parallel-size", "3"], 6, "tensor parallel size 3 does not divide num_attention_heads=4"),
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by TP 2"),
+    (["--bf16", "--fp16"], 1, "--bf16 and --fp16 together"),
+    (["--overlap-param-gather"], 1, "--overlap-param-gather needs --use-distributed-optimizer"),
+    (["--data-path", "x"], 1, "give exactly one of --data-path and --mock-data"),
+    (["--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2"], 2,
+     "4 layers over PP 2 cannot be cut into virtual stages of 3 layers"),
+])
+def test_inconsistent_arguments_are_one_clear_error(change, world, message):
+    argv = ["--model", "qwen2.5-tiny", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--train-iters", "1", "--lr", "1e-3", "--mock-data", *change]
+    with pytest.raises(ArgumentError, match=message.replace("(", r"\(")):
+        validate_args(parse_args(argv), world)
+
+
+def test_num_micro_batches_is_global_over_micro_times_dp():
+    args = validate_args(parse_args(["--model", "qwen2.5-tiny", "--micro-batch-size", "2", "--global-batch-size",
+                                     "16", "--train-iters", "1", "--lr", "1e-3", "--mock-data"]), 4)
+    assert (args.data_parallel_size, args.num_micro_batches) == (4, 2)
+
+
+def test_unknown_arguments_are_refused_by_name():
+    done = subprocess.run([sys.executable, "scripts/pretrain_gpt.py", "--model", "qwen2.5-tiny",
+                           "--no-such-flag"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "unrecognized arguments: --no-such-flag" in done.stderr
