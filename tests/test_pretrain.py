@@ -4,6 +4,8 @@ bad arguments are one clear message."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 
@@ -106,3 +108,40 @@ def test_unknown_arguments_are_refused_by_name():
                            "--no-such-flag"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "unrecognized arguments: --no-such-flag" in done.stderr
+
+
+def _validation_losses(stdout: str) -> dict[int, float]:
+    found = re.findall(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)", stdout)
+    return {int(i): float(v) for i, v in found}
+
+
+@pytest.mark.slow
+def test_tiny_qwen_script_trains_saves_resumes_and_plots(tmp_path):
+    """scripts/pretrain_qwen_tiny.sh from a fresh directory: the shipped corpus prepared, TP2 x PP2 on 4
+    gloo ranks, stopped and saved at 20, resumed to 40 by a second run; the validation loss falls."""
+    env = {**os.environ, "OUTPUT_DIR": str(tmp_path / "run"), "TRAIN_ITERS": "40", "EVAL_INTERVAL": "20",
+           "PYTHON": sys.executable}
+    first = subprocess.run(["bash", "scripts/pretrain_qwen_tiny.sh"], env={**env, "EXIT_INTERVAL": "20"},
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "20"
+    second = subprocess.run(["bash", "scripts/pretrain_qwen_tiny.sh"], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"loaded {tmp_path / 'run' / 'checkpoints' / 'iter_0000020'} (iteration 20)" in second.stdout
+    losses = {**_validation_losses(first.stdout), **_validation_losses(second.stdout)}
+    assert sorted(losses) == [20, 40]
+    assert losses[40] < losses[20] - 0.1 and losses[20] < 6.0  # from ln(512) = 6.24 at the start
+
+    done = subprocess.run([sys.executable, "scripts/plot_loss.py", str(tmp_path / "run" / "tensorboard"),
+                           "--output", str(tmp_path / "loss.png")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_loss_without_logs_is_one_clear_error(tmp_path):
+    done = subprocess.run([sys.executable, "scripts/plot_loss.py", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "has no TensorBoard event files" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,166 @@
+"""Training throughput of the pretrain flow against Hugging Face transformers, on the CPU.
+
+The same Qwen2 shape, batch, sequence length and dtype (float32), one process each, alternating in fresh
+interpreters (``--rounds`` of each, best kept, so drift on the machine hits both alike):
+
+- ``megatron``: ``adapter.training.pretrain`` with --mock-data (megatron-core GPTModel through the
+  adapter's kernel provider, DDP, Adam, the 1F1B schedule's no-pipelining path), tokens/s read off its
+  own log over the measured iterations;
+- ``transformers``: ``Qwen2ForCausalLM`` with ``torch.optim.AdamW``, forward + backward + step, timed
+  over the same number of iterations after the same warm-up.
+
+Model FLOPs per token are the training log's (``adapter.training.training_log.model_flops_per_token``):
+6 x matmul parameters + 12 x layers x seq x hidden. The machine's float32 matmul peak is measured here
+too (a square ``torch.mm`` of ``--peak-size``), and the flow's achieved FLOP/s is printed as a share of
+it. Goals: ratio megatron / transformers >= 1.0; above 50% of the matmul peak on this GEMM-bound shape.
+
+Usage: python bench/train_throughput.py [--rounds 2] [--iters 6] [--warmup 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# GEMM-bound: hidden 1024 with 16 heads / 4 groups, FFN 2816, seq 512 (attention is ~15% of the FLOPs)
+SHAPE = dict(num_layers=4, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16, num_query_groups=4,
+             vocab_size=8192, seq_length=512)
+MICRO_BATCH = 4
+
+
+def _model():
+    sys.path.insert(0, str(ROOT))
+    from models.config import ModelConfig
+
+    return ModelConfig(**SHAPE, max_position_embeddings=SHAPE["seq_length"], norm_epsilon=1e-6, rotary_base=1e6,
+                       add_qkv_bias=True)  # Qwen2's: RMSNorm, SwiGLU, RoPE, QKV bias, untied
+
+
+def run_megatron(iters: int, warmup: int) -> float:
+    """tokens/s of the pretrain flow over ``iters`` iterations after ``warmup``."""
+    import adapter  # noqa: F401 - before megatron
+    from megatron.core.enums import ModelType
+
+    from adapter.training.pretrain import pretrain
+    from scripts.pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    m = _model()
+    argv = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
+            "--ffn-hidden-size", str(m.ffn_hidden_size), "--num-attention-heads", str(m.num_attention_heads),
+            "--group-query-attention", "--num-query-groups", str(m.num_query_groups),
+            "--max-position-embeddings", str(m.max_position_embeddings), "--seq-length", str(m.seq_length),
+            "--normalization", "RMSNorm", "--norm-epsilon", str(m.norm_epsilon), "--swiglu",
+            "--disable-bias-linear", "--add-qkv-bias", "--position-embedding-type", "rope",
+            "--rotary-base", str(m.rotary_base), "--untie-embeddings-and-output-weights",
+            "--vocab-size", str(m.vocab_size - 1),  # the null tokenizer adds its end-of-document id
+            "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(MICRO_BATCH),
+            "--train-iters", str(warmup + iters), "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
+            "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--no-rope-fusion"]
+    os.environ["ADAPTER_BACKEND"] = "cpu"
+    history = pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
+                       forward_step, argv=argv)
+    measured = [entry["tokens_per_second"] for entry in history["train"] if entry["iteration"] > warmup]
+    # per-iteration rates over the measured window: tokens / total time
+    return len(measured) / sum(1 / rate for rate in measured)
+
+
+def run_transformers(iters: int, warmup: int) -> float:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    m = _model()
+    config = Qwen2Config(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+                         num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                         num_key_value_heads=m.num_query_groups, max_position_embeddings=m.max_position_embeddings,
+                         rope_theta=m.rotary_base, rms_norm_eps=m.norm_epsilon, tie_word_embeddings=m.tie_embeddings,
+                         attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, m.vocab_size, (MICRO_BATCH, m.seq_length + 1))
+    times = []
+    for step in range(warmup + iters):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss
+        loss.backward()
+        optimizer.step()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return MICRO_BATCH * m.seq_length * iters / sum(times)
+
+
+def matmul_peak(size: int, repeats: int = 5) -> float:
+    """Best float32 FLOP/s of a square matmul on this machine (torch's threads)."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def _child(kind: str, iters: int, warmup: int) -> float:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ADAPTER_BACKEND": "cpu"}
+    done = subprocess.run([sys.executable, __file__, "--child", kind, "--iters", str(iters), "--warmup",
+                           str(warmup)], cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{kind} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peak-size", type=int, default=2048)
+    parser.add_argument("--child", choices=["megatron", "transformers", "peak"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        value = {"megatron": lambda: run_megatron(args.iters, args.warmup),
+                 "transformers": lambda: run_transformers(args.iters, args.warmup),
+                 "peak": lambda: matmul_peak(args.peak_size)}[args.child]()
+        print("RESULT " + json.dumps(value), flush=True)
+        return
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from adapter.training.training_log import model_flops_per_token
+
+    results = {"megatron": [], "transformers": []}
+    for round_ in range(args.rounds):
+        for kind in (["megatron", "transformers"] if round_ % 2 == 0 else ["transformers", "megatron"]):
+            results[kind].append(_child(kind, args.iters, args.warmup))
+    peak = _child("peak", args.iters, args.warmup)
+    model = _model()
+    flops_per_token = model_flops_per_token(model, model.seq_length)
+    ours, theirs = max(results["megatron"]), max(results["transformers"])
+    print(f"train throughput on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} CPUs; float32, micro batch {MICRO_BATCH} x seq {model.seq_length}, "
+          f"{args.warmup} warm-up + {args.iters} measured iterations, best of {args.rounds} rounds each")
+    print(f"model: {SHAPE}, {model.num_parameters() / 1e6:.1f} M parameters, "
+          f"{flops_per_token / 1e9:.3f} GFLOP per token (training)")
+    print(f"float32 matmul peak ({args.peak_size}^3): {peak / 1e9:.1f} GFLOP/s")
+    print(f"{'run':<14} {'tokens/s':>9} {'GFLOP/s':>9} {'% of peak':>9}   all rounds (tokens/s)")
+    for kind, rate in (("megatron", ours), ("transformers", theirs)):
+        print(f"{kind:<14} {rate:9.1f} {rate * flops_per_token / 1e9:9.1f} {100 * rate * flops_per_token / peak:8.1f}%"
+              f"   {', '.join(f'{r:.1f}' for r in results[kind])}")
+    print(f"ratio megatron / transformers: {ours / theirs:.3f} (goal >= 1.0); megatron at "
+          f"{100 * ours * flops_per_token / peak:.1f}% of the matmul peak (goal > 50%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The tiny Qwen on any machine: prepares the shipped sample corpus (a 512-piece sentencepiece model trained
+# on it, then Megatron .bin/.idx), and trains qwen2.5-tiny with TP 2 x PP 2 on 4 processes (gloo on a CPU;
+# NCCL or HCCL where there are devices), evaluating as it goes and saving at the end.
+#
+#   bash scripts/pretrain_qwen_tiny.sh                      # 300 iterations into ./qwen-tiny-run
+#   EXIT_INTERVAL=150 bash scripts/pretrain_qwen_tiny.sh    # stop (and save) at 150 ...
+#   bash scripts/pretrain_qwen_tiny.sh                      # ... and this run resumes there
+#
+# Environment (default): OUTPUT_DIR (./qwen-tiny-run: data, checkpoints, tensorboard), TRAIN_ITERS (300),
+# EVAL_INTERVAL (50), EXIT_INTERVAL (none), PYTHON (python3), EXTRA_ARGS (appended to the arguments).
+# A run finds its checkpoint in OUTPUT_DIR/checkpoints and continues from it; delete the folder to restart.
+# scripts/plot_loss.py OUTPUT_DIR/tensorboard draws the curves.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+: "${OUTPUT_DIR:=qwen-tiny-run}" "${TRAIN_ITERS:=300}" "${EVAL_INTERVAL:=50}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # 4 processes share the cores: one thread each
+
+mkdir -p "$OUTPUT_DIR"
+if [[ ! -f "$OUTPUT_DIR/data/tokenizer.model" ]]; then
+    PREFIX="$("$PYTHON" "$ROOT/scripts/prepare_sample_data.py" "$OUTPUT_DIR/data")"
+else
+    PREFIX="$OUTPUT_DIR/data/sample_text_document"
+fi
+
+read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+ARGS=(
+    --model qwen2.5-tiny
+    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
+    --use-distributed-optimizer --overlap-grad-reduce
+    --micro-batch-size 4 --global-batch-size 16 --seq-length 64
+    --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20
+    --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0
+    --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$OUTPUT_DIR/data/tokenizer.model"
+    --data-path "$PREFIX" --split 949,50,1
+    --eval-interval "$EVAL_INTERVAL" --eval-iters 5 --log-interval 25
+    --save "$OUTPUT_DIR/checkpoints" --load "$OUTPUT_DIR/checkpoints" --save-interval "$TRAIN_ITERS"
+    --tensorboard-dir "$OUTPUT_DIR/tensorboard" --seed 1234
+)
+if [[ -n "${EXIT_INTERVAL:-}" ]]; then
+    ARGS+=(--exit-interval "$EXIT_INTERVAL")
+fi
+
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 4 \
+    "$ROOT/scripts/pretrain_gpt.py" "${ARGS[@]}" ${EXTRA[@]+"${EXTRA[@]}"}
