@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from
 import adapter  # noqa: E402,F401  - before megatron
 import torch  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.utils import get_attr_wrapped_model  # noqa: E402
 
 from adapter.training.arguments import ArgumentError  # noqa: E402
 from adapter.training.data import get_batch, train_valid_test_datasets_provider  # noqa: E402
@@ -46,7 +47,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
-        data_iterator, vp_stage=getattr(model, "vp_stage", None))
+        data_iterator, vp_stage=get_attr_wrapped_model(model, "vp_stage"))
     output = model(tokens, position_ids, attention_mask, labels=labels)
     return output, functools.partial(loss_func, loss_mask)
 

@@ -80,6 +80,16 @@ def test_resume_at_another_layout_continues_the_curve(uninterrupted, tmp_path):
         assert resumed[i] == pytest.approx(uninterrupted[i], abs=2e-4)
 
 
+def test_interleaved_pipeline_trains_and_resumes_bit_exactly(tmp_path):
+    """PP2 with two virtual stages of one layer each (the 72B recipe's schedule, in small)."""
+    vpp = ("--num-layers-per-virtual-pipeline-stage", "1")
+    reference = _losses(run_ranks(2, run_pretrain, _argv(6, 1, 2, *vpp)))
+    assert reference[6] < reference[1]
+    run_ranks(2, run_pretrain, _argv(6, 1, 2, *vpp, "--save", str(tmp_path), "--exit-interval", "3"))
+    resumed = _losses(run_ranks(2, run_pretrain, _argv(6, 1, 2, *vpp, "--load", str(tmp_path))))
+    assert resumed == {i: reference[i] for i in range(4, 7)}
+
+
 @pytest.mark.parametrize("change, world, message", [
     (["--global-batch-size", "6"], 2, "global batch 6 is not divisible by micro batch 2 x data-parallel size 2"),
     (["--tensor-model-parallel-size", "3"], 6, "tensor parallel size 3 does not divide num_attention_heads=4"),

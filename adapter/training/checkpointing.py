@@ -57,11 +57,9 @@ def _sharded_state(args, model: list, optimizer, scheduler, iteration: int, cons
         state["model"] = model_states[0]
     else:
         state.update({f"model{i}": s for i, s in enumerate(model_states)})
-    if with_optimizer:
-        merged = {}
-        for s in model_states:
-            merged.update(s)
-        state["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading,
+    if with_optimizer:  # the optimizer finds each parameter's sharding in the model's, all chunks nested
+        every_chunk = {f"model{i}": chunk_state for i, chunk_state in enumerate(model_states)}
+        state["optimizer"] = optimizer.sharded_state_dict(every_chunk, is_loading=is_loading,
                                                           metadata=OPTIMIZER_FORMAT)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
