@@ -67,6 +67,7 @@ ARGS=(
     --overlap-grad-reduce
     --overlap-param-gather
     --use-flash-attn
+    --no-create-attention-mask-in-dataloader
     --bf16
     --seq-length 4096
     --max-position-embeddings 4096

@@ -34,7 +34,7 @@ ARGS=(
     --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20
     --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0
     --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$OUTPUT_DIR/data/tokenizer.model"
-    --data-path "$PREFIX" --split 949,50,1
+    --data-path "$PREFIX" --split 949,50,1 --no-create-attention-mask-in-dataloader
     --eval-interval "$EVAL_INTERVAL" --eval-iters 5 --log-interval 25
     --save "$OUTPUT_DIR/checkpoints" --load "$OUTPUT_DIR/checkpoints" --save-interval "$TRAIN_ITERS"
     --tensorboard-dir "$OUTPUT_DIR/tensorboard" --seed 1234

@@ -117,6 +117,9 @@ def _data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader",
+                   help="causal attention needs no [s, s] mask per sample: skip making and broadcasting it")
 
 
 def _checkpointing(parser: argparse.ArgumentParser) -> None:
