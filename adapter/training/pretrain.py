@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -33,8 +34,6 @@ from adapter.training.training_log import TrainingLog
 
 def initialize(extra_args_provider=None, args_defaults: dict | None = None, argv=None):
     """Parse and check the arguments, build the tokenizer, start the groups; returns the arguments."""
-    import os
-
     import models
     from adapter.training.tokenizer import build_tokenizer
 
@@ -225,7 +224,9 @@ def build_train_valid_test_data_iterators(dataset_provider, consumed: dict) -> t
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
              process_non_loss_data_func=None, extra_args_provider=None, args_defaults: dict | None = None,
              argv=None) -> dict:
-    """Megatron-LM's ``pretrain``; returns what was logged (losses per log line, validation losses)."""
+    """Megatron-LM's ``pretrain``; returns what was logged (losses per log line, validation losses).
+    ``process_non_loss_data_func`` is accepted for Megatron-LM's signature; nothing here produces non-loss
+    data to hand it."""
     args = initialize(extra_args_provider, args_defaults, argv)
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type)
     iteration, consumed = 0, {"train": 0, "valid": 0}
