@@ -1,15 +1,17 @@
 """Training throughput of the pretrain flow against Hugging Face transformers, on the CPU.
 
-The same Qwen2 shape, batch, sequence length and dtype (float32), one process each, alternating in fresh
-interpreters (``--rounds`` of each, best kept, so drift on the machine hits both alike):
+The same Qwen2 shape, batch, sequence length and dtype (float32), one process each, in fresh interpreters
+taking turns (``--rounds`` of each, so drift on the machine hits all alike; the ratios of the best rates
+and of the medians are both printed):
 
 - ``megatron/<provider>``: ``adapter.training.pretrain`` with --mock-data (megatron-core GPTModel, DDP,
   Adam, the schedule's no-pipelining path), once per kernel provider given (``--providers``; on a CPU:
-  ``torch``, the default, whose attention is megatron's unfused algorithm, and ``cuda``, whose attention
-  is PyTorch's fused scaled_dot_product_attention), tokens/s read off its own log over the measured
-  iterations;
-- ``transformers``: ``Qwen2ForCausalLM`` with ``torch.optim.AdamW``, forward + backward + step, timed
-  over the same number of iterations after the same warm-up.
+  ``torch``, the default, and ``cuda``, which differ here only in RoPE: the torch provider's under
+  megatron's ``apply_rope_fusion``, megatron's own unfused one for cuda), tokens/s read off its own log
+  over the measured iterations;
+- ``transformers``: ``Qwen2ForCausalLM`` trained as its ``Trainer`` does by default (fused
+  ``torch.optim.AdamW``, gradients clipped to norm 1.0, as ``--clip-grad`` defaults to in the flow):
+  forward + backward + clip + step, timed over the same number of iterations after the same warm-up.
 
 Model FLOPs per token are the training log's (``adapter.training.training_log.model_flops_per_token``):
 6 x matmul parameters + 12 x layers x seq x hidden. The machine's float32 matmul peak is measured here
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -63,8 +66,9 @@ def run_megatron(iters: int, warmup: int) -> float:
             "--vocab-size", str(m.vocab_size - 1),  # the null tokenizer adds its end-of-document id
             "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(MICRO_BATCH),
             "--train-iters", str(warmup + iters), "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
-            "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--no-rope-fusion"]  # megatron's own RoPE for both providers (its fused one needs TE)
+            "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    if os.environ.get("ADAPTER_KERNELS") == "cuda":
+        argv.append("--no-rope-fusion")  # the cuda provider's fused RoPE is Transformer Engine's
     os.environ["ADAPTER_BACKEND"] = "cpu"
     history = pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                        forward_step, argv=argv)
@@ -85,7 +89,7 @@ def run_transformers(iters: int, warmup: int) -> float:
                          attention_dropout=0.0)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # Trainer's default since torch 2.8
     tokens = torch.randint(0, m.vocab_size, (MICRO_BATCH, m.seq_length + 1))
     times = []
     for step in range(warmup + iters):
@@ -93,6 +97,7 @@ def run_transformers(iters: int, warmup: int) -> float:
         optimizer.zero_grad(set_to_none=True)
         loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # Trainer's max_grad_norm
         optimizer.step()
         if step >= warmup:
             times.append(time.perf_counter() - start)
@@ -156,16 +161,19 @@ def main(argv=None) -> None:
     model = _model()
     flops_per_token = model_flops_per_token(model, model.seq_length)
     best = {kind: max(rates) for kind, rates in results.items()}
+    median = {kind: statistics.median(rates) for kind, rates in results.items()}
     print(f"train throughput on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} CPUs; float32, micro batch {MICRO_BATCH} x seq {model.seq_length}, "
           f"{args.warmup} warm-up + {args.iters} measured iterations, best of {args.rounds} rounds each")
     print(f"model: {SHAPE}, {model.num_parameters() / 1e6:.1f} M parameters, "
           f"{flops_per_token / 1e9:.3f} GFLOP per token (training)")
     print(f"float32 matmul peak ({args.peak_size}^3): {peak / 1e9:.1f} GFLOP/s")
-    print(f"{'run':<16} {'tokens/s':>9} {'GFLOP/s':>9} {'% of peak':>9} {'/ transformers':>15}   all rounds (tokens/s)")
+    print(f"{'run':<16} {'tokens/s':>9} {'GFLOP/s':>9} {'% of peak':>9} {'/ transformers':>15} {'(medians)':>10}"
+          "   all rounds (tokens/s)")
     for kind, rate in best.items():
         print(f"{kind:<16} {rate:9.1f} {rate * flops_per_token / 1e9:9.1f} {100 * rate * flops_per_token / peak:8.1f}% "
-              f"{rate / best['transformers']:15.3f}   {', '.join(f'{r:.1f}' for r in results[kind])}")
+              f"{rate / best['transformers']:15.3f} {median[kind] / median['transformers']:10.3f}   "
+              f"{', '.join(f'{r:.1f}' for r in results[kind])}")
     print("goals: megatron / transformers >= 1.0; megatron above 50% of the matmul peak")
 
 

@@ -3,13 +3,13 @@
 Each submodule registers one concern; ``adapter.registry.status(target)`` tells what became of a patch.
 """
 
-from patches import (cuda_sites, distrib_optimizer_checkpoint, kernels, process_groups, rng, tensor_methods,
-                     torch_optimizers)
+from patches import (cuda_sites, distrib_optimizer_checkpoint, kernels, multi_tensor, process_groups, rng,
+                     tensor_methods, torch_optimizers)
 
 CHECKED_MEGATRON_CORE = "==0.16.1"
 
 
 def register_all(registry) -> None:
     for concern in (cuda_sites, rng, tensor_methods, torch_optimizers, distrib_optimizer_checkpoint,
-                    process_groups, kernels):
+                    multi_tensor, process_groups, kernels):
         concern.register(registry, CHECKED_MEGATRON_CORE)

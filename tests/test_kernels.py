@@ -127,6 +127,25 @@ def test_rope_matches_megatron_unfused_rope(provider, interleaved, rot, dtype):
     called(provider, "npu_rotary_mul")
 
 
+def test_rope_reuses_angles_only_while_they_are_the_same():
+    """The torch provider computes cos/sin once per angle tensor; a change of layout, dtype or of the
+    angles themselves (in place) gives fresh ones."""
+    provider = kernels.select_provider("torch")
+    freqs = _angles(12, 32, False)
+
+    def check(interleaved, dtype):
+        t = randn(12, 2, 4, 32, dtype=dtype)
+        got = provider.rope(t, freqs, interleaved=interleaved)
+        assert got.dtype == dtype
+        assert_all_close(got, _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved), dtype)
+
+    check(False, torch.float32)
+    check(True, torch.float32)
+    check(True, torch.bfloat16)
+    freqs.mul_(2.0)
+    check(True, torch.bfloat16)
+
+
 class _OneRankGroup:
     def size(self):
         return 1

@@ -16,7 +16,6 @@ import importlib
 import importlib.util
 
 import torch
-import torch.nn.functional as F
 
 from adapter.kernels import UnsupportedKernelSetting, torch_provider
 from adapter.kernels.norm import FusedNorm
@@ -51,22 +50,6 @@ def _flash_window(window, causal) -> tuple[int, int]:
     return (left, 0 if causal else right)
 
 
-def _sdpa_dense(q, k, v, scale, causal, mask, window, dropout_p):
-    sq, b, nq, d = q.shape
-    sk, nkv = k.shape[0], k.shape[2]
-    hidden = None
-    if mask is not None or window is not None or (causal and sq != sk):
-        # SDPA's is_causal is top-left aligned; anything else goes in as an explicit mask
-        hidden = torch_provider.masked_positions(sq, sk, causal, window, q.device)
-        if mask is not None:
-            hidden = mask if hidden is None else (mask | hidden)
-    out = F.scaled_dot_product_attention(
-        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-        attn_mask=None if hidden is None else ~hidden, dropout_p=dropout_p,
-        is_causal=causal and hidden is None, scale=scale, enable_gqa=nq != nkv)
-    return out.permute(2, 0, 1, 3).reshape(sq, b, nq * d)
-
-
 def _use_flash_attn(q, mask) -> bool:
     return HAVE_FLASH_ATTN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None
 
@@ -92,9 +75,9 @@ def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=N
                                     window_size=_flash_window(window, causal))
         return out.transpose(0, 1).reshape(sq, b, -1)
     if cu_seqlens_q is None:
-        return _sdpa_dense(q, k, v, scale, causal, mask, window, dropout_p)
-    return torch_provider.per_sequence(_sdpa_dense, q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, causal,
-                                       window, dropout_p)
+        return torch_provider.sdpa_attention(q, k, v, scale, causal, mask, window, dropout_p)
+    return torch_provider.per_sequence(torch_provider.sdpa_attention, q, k, v, cu_seqlens_q, cu_seqlens_kv,
+                                       scale, causal, window, dropout_p)
 
 
 def _no_softmax_extension(self, mask, b, np, sq, sk) -> bool:

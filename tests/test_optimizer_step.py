@@ -1,0 +1,70 @@
+"""The optimizer step off apex: foreach stand-ins for its multi-tensor kernels, torch's fused Adam on CPU."""
+
+import pytest
+import torch
+
+import adapter  # noqa: F401 - before megatron
+from patches import multi_tensor
+from scripts.train_tiny_gpt import Run, build, setup
+from tests.distributed import run_ranks
+
+
+def _grads(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for shape in ((3, 5), (7,), (2, 2, 4))]
+
+
+def test_scale_in_place_and_into_other_tensors():
+    srcs = _grads()
+    want = [g * 0.25 for g in srcs]
+    dsts = [torch.empty_like(g) for g in srcs]
+    multi_tensor.multi_tensor_scale(2048, None, [srcs, dsts], 0.25)
+    assert all(torch.equal(d, w) for d, w in zip(dsts, want))
+    assert not torch.equal(srcs[0], want[0])  # sources untouched
+    multi_tensor.multi_tensor_scale(2048, None, [srcs, srcs], 0.25)
+    assert all(torch.equal(s, w) for s, w in zip(srcs, want))
+
+
+def test_l2_norm_is_the_norm_of_all_tensors_together():
+    grads = _grads()
+    norm, per_tensor = multi_tensor.multi_tensor_l2_norm(2048, None, [grads], False)
+    assert per_tensor is None and norm.shape == (1,) and norm.dtype == torch.float32
+    assert norm.item() == pytest.approx(torch.cat([g.flatten() for g in grads]).norm().item(), rel=1e-6)
+
+
+def test_megatron_clipping_holds_the_foreach_versions():
+    """clip_grads and optimizer bound megatron's local versions by value at import: the registry rebinds
+    those copies too."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    assert clip_grads.multi_tensor_scale_impl is multi_tensor.multi_tensor_scale
+    assert clip_grads.l2_norm_impl is multi_tensor.multi_tensor_l2_norm
+    assert optimizer.multi_tensor_scale_impl is multi_tensor.multi_tensor_scale
+
+
+def clip_and_build(distributed_optimizer: bool) -> dict:
+    """In a rank: megatron's grad-norm and clipping on CPU grads, and the Adam megatron builds."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+
+    run = Run(distributed_optimizer=distributed_optimizer)
+    setup(run)
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in _grads()]
+    for param, grad in zip(params, _grads()):
+        param.grad = grad
+    norm = get_grad_norm_fp32([p.grad for p in params])
+    clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
+    _, _, _, optimizer = build(run)
+    groups = [group for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+              for group in opt.optimizer.param_groups]
+    return {"norm": norm, "clipped_norm": torch.cat([p.grad.flatten() for p in params]).norm().item(),
+            "fused": [group["fused"] for group in groups], "foreach": [group["foreach"] for group in groups]}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["adam", "distributed-adam"])
+def test_megatron_clips_on_cpu_and_builds_torch_adam_fused(distributed_optimizer):
+    result = run_ranks(1, clip_and_build, distributed_optimizer)[0]
+    want = torch.cat([g.flatten() for g in _grads()]).norm().item()
+    assert result["norm"] == pytest.approx(want, rel=1e-6)
+    assert result["clipped_norm"] == pytest.approx(1.0, rel=1e-5)
+    assert result["fused"] and all(result["fused"]) and not any(result["foreach"])
