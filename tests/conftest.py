@@ -1,14 +1,61 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the device markers' skips (markers are registered in pytest.ini)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 DOUBLES = Path(__file__).resolve().parent / "doubles"
+
+
+def _cuda_missing() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+def _npu_missing() -> str | None:
+    """A real torch_npu and an NPU (the tests' torch_npu double is on sys.path only inside its fixture).
+
+    Asked in a fresh interpreter: importing torch_npu here would put a real torch_npu into the whole test
+    session, and the tests against the double need a session without one."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return "needs an Ascend NPU (torch_npu is not installed)"
+    probe = subprocess.run([sys.executable, "-c", "import torch, torch_npu; print(torch.npu.is_available())"],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:  # torch_npu raises RuntimeError, not ImportError, when CANN is missing
+        last = (probe.stderr.strip().splitlines() or ["no error output"])[-1]
+        return f"needs an Ascend NPU (import torch_npu failed: {last})"
+    if probe.stdout.strip() != "True":
+        return "needs an Ascend NPU (torch.npu.is_available() is False)"
+    return None
+
+
+def _megatron_lm_missing() -> str | None:
+    if importlib.util.find_spec("megatron.training") is None:
+        return ("needs Megatron-LM's megatron.training importable (put a Megatron-LM checkout, tag "
+                "core_v0.16.1, on PYTHONPATH)")
+    return None
+
+
+# marker -> why its tests cannot run here (None: they can); asked once per session, and only when a
+# collected test carries the marker.
+REQUIREMENTS = {"cuda": _cuda_missing, "npu": _npu_missing, "megatron_lm": _megatron_lm_missing}
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = {name: functools.cache(check) for name, check in REQUIREMENTS.items()}
+    for item in items:
+        for name, why in missing.items():
+            if item.get_closest_marker(name) is not None and why() is not None:
+                item.add_marker(pytest.mark.skip(reason=why()))
 
 
 def _drop_torch_npu_modules() -> None:

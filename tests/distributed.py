@@ -1,9 +1,12 @@
-"""Launch real gloo ranks for a test: fresh interpreters with torchrun's environment.
+"""Launch real ranks for a test: fresh interpreters with torchrun's environment (gloo on the CPU backend).
 
 ``run_ranks(n, fn, *args)`` runs ``fn(*args)`` in n new Python processes (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT set as torchrun sets them) and returns each rank's return value. ``fn`` must be
 a module-level function of an importable module. A failing rank's stderr is raised in the test; a rank
 still running at the timeout is killed, so a broken collective fails the test instead of hanging it.
+
+It is the suite's one launcher of multi-rank tests: every test that calls it is marked ``multiproc``
+(tests/test_markers.py checks the sources).
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ def run_ranks(world_size: int, fn, *args, env: dict | None = None, timeout: floa
         (tmp / "call.pkl").write_bytes(pickle.dumps((fn.__module__, fn.__qualname__, args)))
         port = free_port()
         procs = []
-        # the repo root first; a PYTHONPATH in ``env`` (e.g. the torch_npu double) comes after it
-        pythonpath = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env and "PYTHONPATH" in env else []))
+        # the repo root first; a PYTHONPATH in ``env`` (e.g. the torch_npu double) after it, then the
+        # caller's own (e.g. a Megatron-LM checkout for the megatron_lm tests)
+        pythonpath = os.pathsep.join([str(ROOT)] + [p for p in ((env or {}).get("PYTHONPATH"),
+                                                                 os.environ.get("PYTHONPATH")) if p])
         for rank in range(world_size):
             rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
                         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),

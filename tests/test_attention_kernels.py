@@ -182,6 +182,7 @@ def test_dropout_reaches_the_npu_kernel_as_keep_prob_only_in_training(npu_kernel
     assert keep == [0.75, 1.0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("provider_name", ["torch", "cuda"])
 def test_sdpa_and_torch_dropout_keep_the_expected_mean(provider_name):
     """Inverted dropout keeps E[output]: averaged over many draws it approaches the dropout-free output."""

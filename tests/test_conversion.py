@@ -45,6 +45,7 @@ def _last_stage_logits(results: list) -> torch.Tensor:
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "tp2-pp2": (2, 2)}
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", ["qwen-gqa2-untied", "qwen-gqa8-tied"])
@@ -57,6 +58,7 @@ def test_megatron_logits_equal_hf_after_conversion(converted, name, layout):
     assert (ours - reference).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_llama_logits_equal_hf_after_conversion_at_tp2(converted):
     hf_dir, mcore_dir, model = converted["llama-gqa2"]
@@ -100,6 +102,7 @@ def test_output_is_split_into_safetensors_shards_with_an_index(converted, tmp_pa
     assert sorted(hf_state(out)) == sorted(hf_state(hf_dir))
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_checkpoint_saved_at_tp2_pp2_converts_to_hf_and_back_to_tp1(tmp_path):
     """megatron's own TP2 x PP2 save -> HF -> megatron at TP1: the same logits on both layouts and in HF."""
@@ -116,6 +119,7 @@ def test_checkpoint_saved_at_tp2_pp2_converts_to_hf_and_back_to_tp1(tmp_path):
     assert (hf_logits_of(str(hf_dir), model.vocab_size) - before).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_verify_command_reports_the_difference_and_exits_zero(converted):
     hf_dir, mcore_dir, _ = converted["qwen-gqa2-untied"]
@@ -127,6 +131,7 @@ def test_verify_command_reports_the_difference_and_exits_zero(converted):
     assert float(line.split()[3]) < 1e-5 and line.endswith("OK")
 
 
+@pytest.mark.slow
 def test_verify_command_converts_by_itself_and_fails_on_a_tolerance_it_misses(converted):
     hf_dir, _, _ = converted["qwen-gqa8-tied"]
     done = subprocess.run([sys.executable, "-m", "models.verify", "--hf-dir", str(hf_dir), "--atol", "0"],

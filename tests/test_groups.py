@@ -10,7 +10,7 @@ import pytest
 
 from tests.distributed import run_ranks
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
 def build_groups(tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict:
@@ -71,7 +71,6 @@ def test_tp2_pp2_dp2_on_8_ranks():
     _check(run_ranks(8, build_groups, 2, 2), 8, expected)
 
 
-@pytest.mark.slow
 def test_tp2_pp4_dp2_on_16_ranks():
     expected = {
         "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],

@@ -171,6 +171,7 @@ def groups_with_hccl_options(config: dict, tp: int, pp: int) -> dict:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_megatron_groups_get_hccl_options_by_name():
     config = {"tp": {"hccl_buffer_size": 400}, "dp": {"hccl_buffer_size": 100},
               "pp": {"hccl_buffer_size": 300, "hccl_op_expansion_mode": 2}}

@@ -23,6 +23,7 @@ PROVIDERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PROVIDERS))
 def test_tiny_gpt_through_the_local_spec_matches_megatron_local_modules(name):
     env, fusions, (norm, attention) = PROVIDERS[name]

@@ -127,6 +127,7 @@ def refuse_then_build() -> dict:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_initialize_model_parallel_refuses_before_creating_groups():
     for out in run_ranks(2, refuse_then_build):
         name, message = out["tp4"]

@@ -41,11 +41,13 @@ def uninterrupted():
     return _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2)))
 
 
+@pytest.mark.slow
 def test_tiny_qwen_trains_and_the_loss_falls(uninterrupted):
     assert sorted(uninterrupted) == list(range(1, 13))
     assert uninterrupted[12] < uninterrupted[1] - 0.3
 
 
+@pytest.mark.slow
 def test_resume_continues_the_uninterrupted_curve_bit_exactly(uninterrupted, tmp_path):
     # the same --train-iters (it sets the LR schedule and the dataset's sample order), stopped at 6
     first = _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2, "--save", str(tmp_path), "--save-interval", "3",
@@ -57,6 +59,7 @@ def test_resume_continues_the_uninterrupted_curve_bit_exactly(uninterrupted, tmp
     assert resumed == {i: uninterrupted[i] for i in range(7, 13)}
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_the_previous_checkpoint_to_resume_from(uninterrupted, tmp_path):
     with pytest.raises(RankFailure):
         run_ranks(4, run_pretrain_killed_in_save,
@@ -70,6 +73,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint_to_resume_from(uninterr
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
 
 
+@pytest.mark.slow
 def test_resume_at_another_layout_continues_the_curve(uninterrupted, tmp_path):
     """Saved at TP2 x PP2 (4 ranks), resumed at TP1 x DP2 (2 ranks): same data order, same weights and
     optimizer state, so the same losses up to reduction order."""
@@ -80,6 +84,7 @@ def test_resume_at_another_layout_continues_the_curve(uninterrupted, tmp_path):
         assert resumed[i] == pytest.approx(uninterrupted[i], abs=2e-4)
 
 
+@pytest.mark.slow
 def test_interleaved_pipeline_trains_and_resumes_bit_exactly(tmp_path):
     """PP2 with two virtual stages of one layer each (the 72B recipe's schedule, in small)."""
     vpp = ("--num-layers-per-virtual-pipeline-stage", "1")

@@ -1,0 +1,157 @@
+"""``python -m adapter``: the environment report names the backend, versions, the kernel provider per op and
+every registered patch with its outcome; a patch that cannot be applied is a row with its error, not a
+crash."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+import adapter
+from adapter import __main__ as cli
+from adapter import kernels, report
+from adapter.registry import PatchRegistry
+from tests.distributed import ROOT
+
+VERSION_KEYS = {"python", "torch", "torch_cuda", "torch_npu", "cann", "megatron_core", "megatron_lm", "apex",
+                "transformer_engine", "flash_attn"}
+OPS = {"rms_norm", "layer_norm", "swiglu", "rope", "rope_thd", "softmax", "cross_entropy", "core_attention",
+       "norm_module"}
+
+
+def _run_cli(*args: str, backend: str = "cpu") -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("ADAPTER_KERNELS", "ADAPTER_ALLOW_UNTESTED_MEGATRON")}
+    env["ADAPTER_BACKEND"] = backend
+    return subprocess.run([sys.executable, "-m", "adapter", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+# ------------------------------------------------------------------------------------- the real adapter
+def test_json_report_names_the_cpu_backend_and_every_registered_patch():
+    done = _run_cli("--json")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    data = json.loads(done.stdout)
+    assert (data["backend"], data["dist_backend"], data["device_count"]) == ("cpu", "gloo", 1)
+    assert data["backend_why"] == "ADAPTER_BACKEND=cpu"
+    assert set(data["versions"]) == VERSION_KEYS
+    assert data["versions"]["megatron_core"] == "0.16.1"
+    assert data["kernel_provider"] == {"name": "torch", "why": "default for the cpu backend, ADAPTER_KERNELS unset"}
+    assert set(data["kernels"]) == OPS
+    assert [row["target"] for row in data["patches"]] == [p.target for p in adapter.registry.patches()]
+    outcomes = {row["target"]: row["status"] for row in data["patches"]}
+    assert outcomes["megatron.core.parallel_state:get_nccl_options"] == "skipped"  # npu only
+    assert set(outcomes.values()) == {"applied", "skipped"}
+    assert data["problems"] == []
+
+
+def test_text_report_has_each_section_and_exits_zero():
+    done = _run_cli()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "backend       cpu (ADAPTER_BACKEND=cpu); torch.distributed: gloo" in out
+    for line in ("\nversions\n", "\n  megatron_core       0.16.1\n", "kernels: provider torch",
+                 f"patches: {len(adapter.registry.patches())} registered", "no problems found"):
+        assert line in out
+    for patch in adapter.registry.patches():
+        assert patch.target in out
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.cuda),
+                                    pytest.param("npu", marks=pytest.mark.npu)])
+def test_report_on_a_device_names_it_and_finds_no_problem(device):
+    done = _run_cli("--json", backend=device)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(done.stdout)
+    assert (data["backend"], data["kernel_provider"]["name"]) == (device, device)
+    assert data["device_count"] >= 1 and data["problems"] == []
+
+
+# ------------------------------------------------------------------------------------- a broken table
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    """A fresh, uniquely named package standing in for megatron (wrapt's import hooks cannot be
+    unregistered, so no two tests may hook one module name)."""
+    name = f"reportpkg_{uuid.uuid4().hex}"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text("")
+    (tmp_path / name / "target.py").write_text("def f():\n    return 'f'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    yield name
+    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[module]
+
+
+@pytest.fixture
+def broken(package):
+    """A registry with one good patch, two broken ones (a missing attribute, a missing module) and one for
+    another backend."""
+    registry = PatchRegistry(backend=lambda: "cpu", megatron_version=lambda: "0.16.1", copy_scope=(package,))
+    for target, backends in ((f"{package}.target:f", ("cpu",)), (f"{package}.target:missing", ("cpu",)),
+                             (f"{package}.absent:g", ("cpu",)), (f"{package}.target:f_npu", ("npu",))):
+        registry.replace(target, lambda: "new", reason=f"patches {target}", versions="==0.16.1", backends=backends)
+    yield registry
+    registry.revert()
+
+
+def test_broken_patch_targets_are_error_rows_and_the_rest_is_reported(broken, package):
+    data = report.collect(broken)
+    rows = {row["target"]: row for row in data["patches"]}
+    assert [rows[t]["status"] for t in rows] == ["applied", "error", "error", "skipped"]
+    missing = rows[f"{package}.target:missing"]
+    assert missing["error"].startswith(f"patch target {package}.target:missing: missing does not exist")
+    assert rows[f"{package}.absent:g"]["error"].startswith(
+        f"importing {package}.absent failed: ModuleNotFoundError: No module named '{package}.absent'")
+    assert rows[f"{package}.target:f_npu"]["why"] == "not for cpu"
+    assert importlib.import_module(f"{package}.target").f() == "new"  # the good patch still went in
+    assert len(data["problems"]) == 2
+    assert data["problems"][0] == f"patch {package}.target:missing: {missing['error']}"
+    assert data["backend"] == "cpu" and set(data["kernels"]) == OPS  # the other sections are all there
+
+    text = report.render(data)
+    assert f"  error    {package}.target:missing  [replace, ==0.16.1, cpu]" in text
+    assert f"error: patch target {package}.target:missing: missing does not exist" in text
+    assert "PROBLEMS (2):" in text
+
+
+def test_cli_exits_1_with_the_full_report_when_problems_are_found(broken, monkeypatch, capsys):
+    collect = report.collect
+    monkeypatch.setattr(report, "collect", lambda: collect(broken))
+    assert cli.main(["--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["problems"]) == 2 and len(data["patches"]) == 4
+
+
+# ------------------------------------------------------------------------------------- kernels, versions
+def test_every_op_names_its_implementation_for_each_provider(provider):
+    rows = report.kernel_rows(provider)
+    assert set(rows) == OPS
+    for op, row in rows.items():
+        assert row["provider"] == provider.NAME and row["implementation"], (op, row)
+    swiglu = rows["swiglu"]["implementation"]
+    assert swiglu.startswith("megatron's own") == (provider.bias_swiglu is None)
+    assert rows["core_attention"]["implementation"].endswith(kernels.core_attention_module(provider).__qualname__)
+    assert rows["norm_module"]["implementation"].endswith(kernels.norm_module(provider).__qualname__)
+
+
+def test_cann_version_read_from_the_toolkit_install_info(tmp_path, monkeypatch):
+    info = tmp_path / "aarch64-linux" / "ascend_toolkit_install.info"
+    info.parent.mkdir()
+    info.write_text("package_name=Ascend-cann-toolkit\nversion=8.0.RC3\ninnerversion=V100R001C19\n")
+    monkeypatch.setenv("ASCEND_TOOLKIT_HOME", str(tmp_path))
+    assert report.cann_version() == f"8.0.RC3 ({info})"
+
+
+def test_cann_version_read_from_version_cfg_else_not_found(tmp_path):
+    cfg = tmp_path / "version.cfg"
+    cfg.write_text("runtime_running_version=[7.3.0.1.231:8.0.RC2]\ntoolkit_running_version=[7.3.0.1.231:8.0.RC2]\n")
+    assert report.cann_version(str(tmp_path)) == f"8.0.RC2 ({cfg})"
+    assert report.cann_version(str(tmp_path / "none")) == (
+        f"not found (no CANN install-info file or version.cfg under {tmp_path / 'none'})")
