@@ -174,6 +174,12 @@ class PatchRegistry:
     def applied(self, target: str) -> bool:
         return target in self._applied
 
+    def checked(self, versions: str) -> bool:
+        """Whether a change declared for megatron-core ``versions`` may go in here: the installed
+        megatron-core is one of them, or ADAPTER_ALLOW_UNTESTED_MEGATRON=1. For the adapter's changes
+        that cannot be registry patches (adapter.stand_ins), so they follow the patches' version rule."""
+        return os.environ.get(ALLOW_UNTESTED_ENV) == "1" or _version_allowed(self._megatron_version(), versions)
+
     # ------------------------------------------------------------------ apply / revert
     def apply(self, strict: bool = True) -> None:
         """Patch every target whose module is imported now, and hook the rest to be patched on import.

@@ -6,7 +6,9 @@ patch. To learn the last, it imports each megatron module a patch targets, with 
 non-strict mode: a patch that cannot be applied (a missing attribute, an unchecked megatron-core, a
 module that fails to import) is a row with its error, never a traceback, so one broken patch does not
 hide the state of the others. Apart from that switch, the report changes nothing that ``import adapter``
-and importing those megatron modules would not.
+and importing those megatron modules would not. Patches into Megatron-LM's megatron.training and
+megatron.legacy are skipped, with why, where no Megatron-LM checkout is importable (a pip install). The
+report also lists the import stand-ins (adapter.stand_ins) and whether each is in use.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import adapter
 from adapter import backend as _backend
 from adapter import device as _device
-from adapter import kernels
+from adapter import kernels, stand_ins
 from adapter.registry import PatchRegistry
 
 NOT_INSTALLED = "not installed"
@@ -50,6 +52,8 @@ FUNCTION_OPS = {
                       "cross_entropy_loss_fusion=True"),
 }
 SPEC_ROUTE = "megatron's get_gpt_layer_local_spec (LocalSpecProvider)"
+# Megatron-LM's packages, which the megatron-core distribution lacks: patches into them wait for a checkout
+MEGATRON_LM_PACKAGES = ("megatron.training", "megatron.legacy")
 
 
 # ------------------------------------------------------------------------------------------ collect
@@ -61,7 +65,8 @@ def collect(registry: PatchRegistry | None = None) -> dict:
     # of the report's own output: stdout may be JSON.
     with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        data = {**backend_section(), "versions": versions(), **kernel_section(), "patches": patch_rows(registry)}
+        data = {**backend_section(), "versions": versions(), **kernel_section(), "patches": patch_rows(registry),
+                "stand_ins": stand_ins.rows()}
     data["problems"] = problems(data)
     return data
 
@@ -237,7 +242,8 @@ def kernel_rows(provider: ModuleType) -> dict[str, dict]:
 
 
 def _name(obj) -> str:
-    return f"{obj.__module__}.{obj.__qualname__}"
+    compiled = " (torch.compile'd)" if hasattr(obj, "_torchdynamo_orig_callable") else ""
+    return f"{obj.__module__}.{obj.__qualname__}{compiled}"
 
 
 def _function_row(provider: ModuleType, op: str) -> dict:
@@ -284,10 +290,15 @@ def _norm_module_row(provider: ModuleType) -> dict:
 # ------------------------------------------------------------------------------------------ patches
 def patch_rows(registry: PatchRegistry) -> list[dict]:
     """One row per registered patch: applied, skipped (and why) or error (and the message), after
-    importing every module a patch targets."""
+    importing every module a patch targets. Modules of Megatron-LM's packages are not imported where no
+    checkout provides them: their patches are skipped, not errors (a pip install has no Megatron-LM)."""
     registry.apply(strict=False)
-    import_errors = {}
+    import_errors, absent = {}, {}
     for module in sorted({patch.module for patch in registry.patches()}):
+        package = _absent_megatron_lm_package(module)
+        if package is not None:
+            absent[module] = f"{package} not importable (no Megatron-LM checkout on PYTHONPATH)"
+            continue
         try:
             importlib.import_module(module)
         except Exception as exc:
@@ -295,13 +306,23 @@ def patch_rows(registry: PatchRegistry) -> list[dict]:
     rows = []
     for patch in registry.patches():
         status, detail = _outcome(registry.status(patch.target))
-        if status == "pending" and patch.module in import_errors:
+        if status == "pending" and patch.module in absent:
+            status, detail = "skipped", absent[patch.module]
+        elif status == "pending" and patch.module in import_errors:
             status, detail = "error", import_errors[patch.module]
         rows.append({"target": patch.target, "kind": patch.kind, "reason": patch.reason,
                      "versions": patch.versions, "backends": sorted(patch.backends), "status": status,
                      "why": None if status in ("applied", "error") else detail,
                      "error": detail if status == "error" else None})
     return rows
+
+
+def _absent_megatron_lm_package(module: str) -> str | None:
+    """The Megatron-LM package holding ``module``, if that package cannot be imported here."""
+    for package in MEGATRON_LM_PACKAGES:
+        if (module == package or module.startswith(package + ".")) and importlib.util.find_spec(package) is None:
+            return package
+    return None
 
 
 def _outcome(status: str) -> tuple[str, str | None]:
@@ -357,6 +378,11 @@ def render(data: dict) -> str:
         lines.append(f"  {'':<8} {row['reason']}")
         if row["why"] or row["error"]:
             lines.append(f"  {'':<8} {'error' if row['error'] else 'why'}: {row['error'] or row['why']}")
+    lines += ["", f"import stand-ins: {len(data['stand_ins'])} (adapter.stand_ins)"]
+    for row in data["stand_ins"]:
+        lines.append(f"  {row['status']:<8} {row['module']}  [needs {row['requires']}, {row['versions']}]")
+        lines.append(f"  {'':<8} {row['reason']}")
+        lines.append(f"  {'':<8} why: {row['why']}")
     lines.append("")
     if data["problems"]:
         lines.append(f"PROBLEMS ({len(data['problems'])}):")

@@ -13,6 +13,7 @@ whose factory calls are not on the per-layer hot path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 
@@ -95,7 +96,7 @@ _CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "tor
                     torch.bfloat16: "torch.cuda.BFloat16Tensor"}
 
 
-class _CudaSpelledTensorCalls(TorchFunctionMode):
+class CudaSpelledTensorCalls(TorchFunctionMode):
     """Answers the CUDA spellings that live in tensor methods, which no module view can reach:
     ``t.type()`` gives the CUDA type name for a tensor on this backend's device (megatron dispatches on
     'torch.cuda.FloatTensor'), ``t.cuda()`` moves to this backend's device, ``device='cuda'`` is routed."""
@@ -114,6 +115,17 @@ class _CudaSpelledTensorCalls(TorchFunctionMode):
             kwargs["device"] = route_device(kwargs["device"])
         return func(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Run a block without this mode, which must be the innermost one active: the per-layer code
+        that a once-per-step function under the mode calls into (every torch call there would pass
+        through Python)."""
+        self.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.__enter__()
+
 
 def cuda_spelled_tensor_calls(fn):
     """Registry wrapper: run ``fn`` with its tensor-method CUDA spellings answered for this backend.
@@ -123,7 +135,7 @@ def cuda_spelled_tensor_calls(fn):
 
     @functools.wraps(fn)
     def routed_call(*args, **kwargs):
-        with _CudaSpelledTensorCalls():
+        with CudaSpelledTensorCalls():
             return fn(*args, **kwargs)
 
     return routed_call

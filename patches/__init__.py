@@ -1,15 +1,16 @@
-"""The adapter's patch table for megatron-core: every change it makes, with the reason for each.
+"""The adapter's patch table for megatron-core (and Megatron-LM's training loop, ``megatron_lm``): every
+change it makes, with the reason for each.
 
 Each submodule registers one concern; ``adapter.registry.status(target)`` tells what became of a patch.
 """
 
-from patches import (cuda_sites, distrib_optimizer_checkpoint, kernels, multi_tensor, process_groups, rng,
-                     tensor_methods, torch_optimizers)
+from patches import (cuda_sites, distrib_optimizer_checkpoint, kernels, megatron_lm, multi_tensor, process_groups,
+                     rng, tensor_methods, torch_optimizers)
 
 CHECKED_MEGATRON_CORE = "==0.16.1"
 
 
 def register_all(registry) -> None:
     for concern in (cuda_sites, rng, tensor_methods, torch_optimizers, distrib_optimizer_checkpoint,
-                    multi_tensor, process_groups, kernels):
+                    multi_tensor, process_groups, kernels, megatron_lm):
         concern.register(registry, CHECKED_MEGATRON_CORE)

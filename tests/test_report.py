@@ -5,6 +5,7 @@ crash."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import adapter
 from adapter import __main__ as cli
 from adapter import kernels, report
 from adapter.registry import PatchRegistry
+from patches import megatron_lm
 from tests.distributed import ROOT
 
 VERSION_KEYS = {"python", "torch", "torch_cuda", "torch_npu", "cann", "megatron_core", "megatron_lm", "apex",
@@ -25,9 +27,11 @@ OPS = {"rms_norm", "layer_norm", "swiglu", "rope", "rope_thd", "softmax", "cross
        "norm_module"}
 
 
-def _run_cli(*args: str, backend: str = "cpu") -> subprocess.CompletedProcess:
+def _run_cli(*args: str, backend: str = "cpu", pythonpath: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("ADAPTER_KERNELS", "ADAPTER_ALLOW_UNTESTED_MEGATRON")}
     env["ADAPTER_BACKEND"] = backend
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
     return subprocess.run([sys.executable, "-m", "adapter", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -61,6 +65,27 @@ def test_text_report_has_each_section_and_exits_zero():
         assert line in out
     for patch in adapter.registry.patches():
         assert patch.target in out
+
+
+def test_without_megatron_lm_its_patches_are_skipped_with_why_and_nothing_is_a_problem():
+    done = _run_cli("--json", pythonpath=str(ROOT))  # a pip install: no Megatron-LM checkout
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(done.stdout)
+    rows = {row["target"]: row for row in data["patches"]
+            if row["target"].startswith(("megatron.training.", "megatron.legacy."))}
+    assert "megatron.training.arguments:validate_args" in rows and "megatron.legacy.fused_kernels:load" in rows
+    assert {row["status"] for row in rows.values()} == {"skipped"}
+    assert {row["why"] for row in rows.values()} == {
+        "megatron.training not importable (no Megatron-LM checkout on PYTHONPATH)",
+        "megatron.legacy not importable (no Megatron-LM checkout on PYTHONPATH)"}
+    assert data["problems"] == []
+    [stand_in] = data["stand_ins"]
+    assert (stand_in["module"], stand_in["requires"]) == (megatron_lm.BATCH_INVARIANT_KERNELS, "triton")
+    if importlib.util.find_spec("triton") is None:  # not imported by the report: megatron.training is absent
+        assert (stand_in["status"], stand_in["why"]) == (
+            "pending", "triton is not importable: importing the module gives the stand-in")
+    else:
+        assert stand_in["status"] == "skipped" and stand_in["why"].startswith("triton is importable")
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.cuda),

@@ -1,0 +1,50 @@
+"""Which ``megatron.core`` a run of Megatron-LM's scripts imports: the installed megatron-core
+distribution's, not a checkout's.
+
+``megatron`` is a namespace package: a Megatron-LM checkout on PYTHONPATH comes before site-packages, so
+its megatron/core would shadow the installed one. The installed distribution is the version the adapter's
+patches were checked against, and the one that ships the compiled dataset helpers (helpers_cpp);
+megatron.training and megatron.legacy still come from the checkout, which is the only place they exist.
+Used by ``python -m adapter.run`` and by the sitecustomize hook it gives every process of a run.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.metadata
+import importlib.util
+import sys
+from pathlib import Path
+
+
+class _InstalledMegatronCore(importlib.abc.MetaPathFinder):
+    """Finds ``megatron.core`` in the installed distribution, whatever comes first on sys.path; its
+    submodules follow from the package's __path__."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "megatron.core":
+            return None
+        return importlib.util.spec_from_file_location(fullname, self.directory / "__init__.py",
+                                                      submodule_search_locations=[str(self.directory)])
+
+
+def installed_megatron_core() -> Path | None:
+    """The megatron/core directory of the installed megatron-core distribution (None: not installed, or
+    installed without one, e.g. editable from a checkout)."""
+    try:
+        init = importlib.metadata.distribution("megatron-core").locate_file("megatron/core/__init__.py")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    init = Path(init)
+    return init.parent if init.is_file() else None
+
+
+def prefer_installed_megatron_core() -> None:
+    """From now on ``import megatron.core`` finds the installed distribution's, if there is one (call it
+    before anything imports megatron.core)."""
+    core = installed_megatron_core()
+    if core is not None and not any(isinstance(f, _InstalledMegatronCore) for f in sys.meta_path):
+        sys.meta_path.insert(0, _InstalledMegatronCore(core))

@@ -1,0 +1,109 @@
+"""``python -m adapter.run SCRIPT.py [ARGS]``: run a script, such as Megatron-LM's own pretrain_gpt.py
+unchanged, with the adapter imported first in its process and in every Python process it starts.
+
+    PYTHONPATH=/path/to/Megatron-LM torchrun --nproc-per-node 4 -m adapter.run \\
+        /path/to/Megatron-LM/pretrain_gpt.py <Megatron-LM arguments>
+
+In order:
+1. Megatron-LM's megatron.training must be importable (a checkout at tag core_v0.16.1 on PYTHONPATH).
+2. ``megatron.core`` comes from the installed megatron-core distribution when there is one (see
+   adapter.core_source for why), megatron.training and megatron.legacy from the checkout, whose
+   megatron/core must be the same version: it is what its megatron.training was written against.
+   Without the distribution, the checkout's megatron.core is used.
+3. ``adapter/_spawn_hook`` goes first on PYTHONPATH: its sitecustomize.py does the above in every Python
+   process started from here on, before that process's main module runs. multiprocessing 'spawn' children
+   (megatron's persistent async checkpoint worker) re-import the entry script, which imports megatron.
+4. The script runs as ``__main__``, its directory first on sys.path, as ``python SCRIPT.py`` would.
+
+Problems found before the script starts are one line on stderr: exit status 2 for a missing script, 1
+for the environment (no megatron.training, a checkout whose megatron-core is not the installed one).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import runpy
+import site
+import sys
+from pathlib import Path
+
+import adapter  # noqa: F401 - the backend and the patch table, before anything imports megatron
+from adapter.core_source import installed_megatron_core, prefer_installed_megatron_core
+
+HOOK_DIR = Path(__file__).resolve().parent / "_spawn_hook"
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # where ``import adapter`` finds the adapter
+NO_MEGATRON_TRAINING = ("megatron.training is not importable: put a Megatron-LM checkout at tag core_v0.16.1 "
+                        "on PYTHONPATH (git clone --branch core_v0.16.1 https://github.com/NVIDIA/Megatron-LM)")
+
+
+class LaunchError(Exception):
+    """Why the script cannot be started; ``status`` is the exit status."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
+
+
+def _package_version(package_info: Path) -> str:
+    spec = importlib.util.spec_from_file_location("_megatron_lm_package_info", package_info)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.__version__
+
+
+def check_megatron_lm() -> None:
+    """megatron.training importable; a checkout's megatron/core the installed megatron-core's version."""
+    try:
+        spec = importlib.util.find_spec("megatron.training")
+    except ModuleNotFoundError:  # no megatron at all
+        spec = None
+    if spec is None:
+        raise LaunchError(NO_MEGATRON_TRAINING)
+    checkout = Path(next(iter(spec.submodule_search_locations))).parent  # the checkout's megatron/
+    package_info = checkout / "core" / "package_info.py"
+    core = installed_megatron_core()
+    if core is None or not package_info.is_file() or package_info.parent == core:
+        return
+    installed, checked_out = importlib.metadata.version("megatron-core"), _package_version(package_info)
+    if installed != checked_out:
+        raise LaunchError(
+            f"megatron-core {installed} is installed, but the Megatron-LM checkout at {checkout.parent} is "
+            f"megatron-core {checked_out} ({package_info}): check out the Megatron-LM tag core_v{installed} "
+            f"(git -C {checkout.parent} checkout core_v{installed})")
+
+
+def hook_children() -> None:
+    """PYTHONPATH for every process started from here: the hook first; the adapter's own directory last
+    when it is not a site directory (a source checkout, where only the cwd made it importable)."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(HOOK_DIR)]
+    parts.insert(0, str(HOOK_DIR))
+    site_dirs = {*site.getsitepackages(), site.getusersitepackages()}
+    if str(_PACKAGE_ROOT) not in parts and str(_PACKAGE_ROOT) not in site_dirs:
+        parts.append(str(_PACKAGE_ROOT))
+    os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if not argv or argv[0].startswith("-"):
+            raise LaunchError("usage: python -m adapter.run SCRIPT.py [script arguments]", status=2)
+        script = Path(argv[0]).resolve()
+        if not script.is_file():
+            raise LaunchError(f"no such script: {argv[0]}", status=2)
+        check_megatron_lm()
+    except LaunchError as exc:
+        print(f"adapter.run: error: {exc}", file=sys.stderr)
+        return exc.status
+    prefer_installed_megatron_core()
+    hook_children()
+    sys.argv = [str(script), *argv[1:]]
+    sys.path[0] = str(script.parent)
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

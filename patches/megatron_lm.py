@@ -1,0 +1,244 @@
+"""Megatron-LM's own training loop (megatron.training, megatron.legacy; tag core_v0.16.1) through the adapter.
+
+What its unchanged pretrain_gpt.py needs beyond the megatron-core patches, each found as a blocker on a
+CPU run (TP2 x PP2 and DP2 with the distributed optimizer, save and resume); most apply on cpu and npu
+only, a few (apex missing, the fp32 optimizer-state load) on every backend. The megatron-core wheel has no
+megatron.training: these targets stay pending until a Megatron-LM checkout is importable (the environment
+report shows them as skipped). ``python -m adapter.run`` is the launcher (README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import inspect
+import os
+
+import torch
+
+from adapter import backend, stand_ins, torch_view
+
+OFF_CUDA = ("cpu", "npu")
+_T = "megatron.training."
+
+# module -> why its torch.cuda calls and device="cuda" arguments must follow the backend
+ROUTED_WITH_DEVICE_STRINGS = {
+    "initialize": "device_count() decides model-parallel init and the RNG tracker; set_device, empty_cache, "
+                  "JIT warm-up tensors on device='cuda'",
+    "training": "start-up, loss and exit-flag tensors on device='cuda'; DDP streams; current_device(), "
+                "memory stats, empty_cache",
+    "utils": "get_batch_on_this_tp_rank buffers on current_device(); reporting tensors on device='cuda'",
+    "checkpointing": "the iteration all-reduce on device='cuda'; the CUDA RNG state saved and restored",
+}
+
+# function -> why; run under adapter.torch_view.cuda_spelled_tensor_calls (tensor-method CUDA spellings)
+CUDA_SPELLED = {
+    f"{_T}utils:get_batch_on_this_tp_rank": "moves each micro-batch with .cuda(non_blocking=True)",
+    f"{_T}training:get_model": "moves every model chunk with model_module.cuda(torch.cuda.current_device())",
+}
+
+
+def allow_no_cuda_on_cpu(initialize_megatron):
+    """initialize_megatron asserts torch.cuda.is_available() unless ``allow_no_cuda``. The cpu backend has
+    no accelerator by design; on npu the routed is_available() answers for the NPU."""
+
+    @functools.wraps(initialize_megatron)
+    def initialize(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return initialize_megatron(*args, **kwargs)
+
+    return initialize
+
+
+def _print_rank_0(args, message: str) -> None:
+    if getattr(args, "rank", 0) == 0:
+        print(f"[adapter] {message}", flush=True)
+
+
+def backend_collectives(validate_args):
+    """--distributed-backend offers nccl and gloo and defaults to nccl: init_process_group must get this
+    backend's collective library instead (gloo on cpu; hccl on npu, which argparse would refuse)."""
+
+    @functools.wraps(validate_args)
+    def validate(args, *rest, **kwargs):
+        wanted = backend.current().dist_backend
+        if args.distributed_backend != wanted:
+            _print_rank_0(args, f"--distributed-backend {args.distributed_backend} -> {wanted} on the "
+                                f"{backend.current().name} backend")
+            args.distributed_backend = wanted
+        return validate_args(args, *rest, **kwargs)
+
+    return validate
+
+
+def one_connection_off_cuda(validate_args):
+    """With TP or CP > 1 before Blackwell, validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 (ordering of
+    CUDA kernel queues for overlapped communication). Off CUDA the variable means nothing, so it is set
+    when unset, which is what the assertion asks for."""
+
+    @functools.wraps(validate_args)
+    def validate(*args, **kwargs):
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        return validate_args(*args, **kwargs)
+
+    return validate
+
+
+def no_gradient_accumulation_fusion_without_apex(validate_args):
+    """Gradient-accumulation fusion is on by default, and ColumnParallelLinear raises at model build when
+    apex's fused_weight_gradient_mlp_cuda is missing (every CPU and NPU machine). Turned off, with one line
+    saying so, as --no-gradient-accumulation-fusion would: the gradients are the same, accumulated by torch."""
+
+    @functools.wraps(validate_args)
+    def validate(args, *rest, **kwargs):
+        if args.gradient_accumulation_fusion and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+            _print_rank_0(args, "gradient accumulation fusion needs apex's fused_weight_gradient_mlp_cuda, "
+                                "which is not installed: running as with --no-gradient-accumulation-fusion")
+            args.gradient_accumulation_fusion = False
+        return validate_args(args, *rest, **kwargs)
+
+    return validate
+
+
+def rng_untouched_by_data_iterators(build):
+    """Each DataLoader iterator draws its workers' base seed from the CPU default generator. On cpu that
+    generator is also the device RNG dropout draws from, and a resumed run builds its iterators after
+    --load restored the RNG, so its dropout stream would be shifted against the uninterrupted run's. Building
+    the iterators leaves the generator as it was (on CUDA the draw never touches dropout's generator)."""
+
+    @functools.wraps(build)
+    def build_iterators(*args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            return build(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    return build_iterators
+
+
+def evaluate_with_tensor_calls(evaluate):
+    """evaluate() makes its loss sums with torch.tensor(...).cuda(): run it under the scoped mode for
+    tensor-method CUDA spellings, paused inside the forward passes it runs (per-layer code)."""
+    namespace = inspect.unwrap(evaluate).__globals__  # megatron.training.training's
+
+    @functools.wraps(evaluate)
+    def run(*args, **kwargs):
+        mode = torch_view.CudaSpelledTensorCalls()
+        get_forward_backward_func = namespace["get_forward_backward_func"]
+
+        def unmoded_forward_backward_func(*f_args, **f_kwargs):
+            forward_backward = get_forward_backward_func(*f_args, **f_kwargs)
+
+            @functools.wraps(forward_backward)
+            def call(*c_args, **c_kwargs):
+                with mode.paused():
+                    return forward_backward(*c_args, **c_kwargs)
+
+            return call
+
+        namespace["get_forward_backward_func"] = unmoded_forward_backward_func  # for this call only
+        try:
+            with mode:
+                return evaluate(*args, **kwargs)
+        finally:
+            namespace["get_forward_backward_func"] = get_forward_backward_func
+
+    return run
+
+
+def no_fused_kernels(args):
+    """megatron.legacy.fused_kernels.load runs ``$CUDA_HOME/bin/nvcc -V`` to pick CUDA arch flags; there is
+    no CUDA toolkit to ask, and nothing to build, off CUDA."""
+
+
+def compile_helpers_unless_shipped(compile_helpers):
+    """compile_helpers runs ``make`` in megatron/core/datasets; the megatron-core wheel ships the compiled
+    helpers_cpp and no Makefile. Compiled only where they are missing (a source tree)."""
+
+    @functools.wraps(compile_helpers)
+    def compile_if_missing():
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+            compile_helpers()
+
+    return compile_if_missing
+
+
+def no_device_arch():
+    """get_device_arch_version reads cuda:0's compute capability (8 Ampere, 9 Hopper, 10 Blackwell); off
+    CUDA there is none: 0, i.e. none of the behaviour keyed to an NVIDIA architecture."""
+    return 0
+
+
+def state_copy_without_autograd(set_states):
+    """_set_main_param_and_optimizer_states copies checkpoint tensors into the main params in place. With
+    fp32 parameters a main param shard is a view of a leaf parameter that requires grad, so the copy
+    raises unless autograd is off, and Megatron-LM's load_checkpoint does not turn it off (with bf16/fp16
+    the main params are separate fp32 copies, which is why mixed-precision CUDA runs never see it)."""
+
+    @functools.wraps(set_states)
+    def set_main_param_and_optimizer_states(*args, **kwargs):
+        with torch.no_grad():
+            return set_states(*args, **kwargs)
+
+    return set_main_param_and_optimizer_states
+
+
+# ---------------------------------------------------------------- stand-in (adapter.stand_ins)
+BATCH_INVARIANT_KERNELS = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+
+
+def _refuse_batch_invariant_mode(module) -> None:
+    """The four names the module exports: batch-invariant mode is never on, and turning it on (only
+    --batch-invariant-mode does) fails saying why."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"--batch-invariant-mode needs triton (its kernels are triton kernels), which is "
+                           f"not installed on this {backend.current().name} machine")
+
+    def set_batch_invariant_mode(enabled: bool = True):
+        if enabled:
+            refuse()
+        return contextlib.nullcontext()
+
+    module.enable_batch_invariant_mode = refuse
+    module.disable_batch_invariant_mode = lambda: None
+    module.is_batch_invariant_mode_enabled = lambda: False
+    module.set_batch_invariant_mode = set_batch_invariant_mode
+
+
+def register(registry, versions: str) -> None:
+    for module, why in ROUTED_WITH_DEVICE_STRINGS.items():
+        registry.replace(f"{_T}{module}:torch", torch_view.routed_strings(), reason=why, versions=versions,
+                         backends=OFF_CUDA, rebind_copies=False)
+    for target, why in CUDA_SPELLED.items():
+        registry.wrap(target, torch_view.cuda_spelled_tensor_calls, reason=why, versions=versions,
+                      backends=OFF_CUDA)
+    registry.wrap(f"{_T}training:evaluate", evaluate_with_tensor_calls, versions=versions, backends=OFF_CUDA,
+                  reason="evaluate() makes its loss sums with torch.tensor(...).cuda()")
+    registry.wrap(f"{_T}initialize:initialize_megatron", allow_no_cuda_on_cpu, versions=versions,
+                  backends=("cpu",), reason="asserts torch.cuda.is_available(); the cpu backend has no accelerator")
+    registry.wrap(f"{_T}arguments:validate_args", backend_collectives, versions=versions, backends=OFF_CUDA,
+                  reason="--distributed-backend defaults to nccl and cannot say hccl")
+    registry.wrap(f"{_T}arguments:validate_args", one_connection_off_cuda, versions=versions,
+                  backends=OFF_CUDA, reason="TP/CP > 1 asserts CUDA_DEVICE_MAX_CONNECTIONS=1, meaningless off CUDA")
+    registry.wrap(f"{_T}arguments:validate_args", no_gradient_accumulation_fusion_without_apex,
+                  versions=versions, reason="gradient-accumulation fusion defaults on and needs apex's CUDA extension")
+    registry.wrap(f"{_T}training:build_train_valid_test_data_iterators", rng_untouched_by_data_iterators,
+                  versions=versions, backends=("cpu",),
+                  reason="DataLoader seeding draws from the CPU generator, which is dropout's on cpu (resume)")
+    registry.replace("megatron.legacy.fused_kernels:load", no_fused_kernels, versions=versions,
+                     backends=OFF_CUDA, reason="runs $CUDA_HOME/bin/nvcc -V; nothing to build off CUDA")
+    registry.wrap("megatron.core.datasets.utils:compile_helpers", compile_helpers_unless_shipped,
+                  versions=versions, reason="runs make; the megatron-core wheel ships helpers_cpp and no Makefile")
+    registry.replace(f"{_T}utils:get_device_arch_version", no_device_arch, versions=versions,
+                     backends=OFF_CUDA, reason="reads the compute capability of cuda:0")
+    registry.wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
+                  state_copy_without_autograd, versions=versions,
+                  reason="fp32 params: loading copies into views of leaf params, which needs autograd off")
+    stand_ins.install(stand_ins.StandIn(
+        BATCH_INVARIANT_KERNELS, requires="triton", versions=versions, fill=_refuse_batch_invariant_mode,
+        checked=registry.checked,
+        reason="imports triton at the top, and megatron.training.initialize imports it: no megatron.training "
+               "without triton"))
