@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,25 @@ def pytest_collection_modifyitems(config, items):
         for name, why in missing.items():
             if item.get_closest_marker(name) is not None and why() is not None:
                 item.add_marker(pytest.mark.skip(reason=why()))
+
+
+@contextlib.contextmanager
+def throwaway_package(tmp_path, monkeypatch, prefix: str, modules: dict[str, str]):
+    """A fresh, uniquely named importable package under ``tmp_path`` holding ``modules`` (name -> source,
+    ``{pkg}`` replaced by the package name), forgotten from sys.modules afterwards. Unique because
+    wrapt's import hooks cannot be unregistered: no two tests may hook one module name."""
+    name = f"{prefix}_{uuid.uuid4().hex}"
+    root = tmp_path / name
+    root.mkdir()
+    for module, source in {"__init__": "", **modules}.items():
+        (root / f"{module}.py").write_text(source.replace("{pkg}", name))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    try:
+        yield name
+    finally:
+        for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[module]
 
 
 def _drop_torch_npu_modules() -> None:

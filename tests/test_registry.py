@@ -18,11 +18,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import throwaway_package
 from adapter.registry import (
     ALLOW_UNTESTED_ENV,
     PatchError,
@@ -85,17 +85,8 @@ def _no_untested_override(monkeypatch):
 @pytest.fixture
 def pkg(tmp_path, monkeypatch):
     """A fresh, not yet imported, uniquely named package with ``target`` and ``user`` modules."""
-    name = f"fakepkg_{uuid.uuid4().hex}"
-    root = tmp_path / name
-    root.mkdir()
-    (root / "__init__.py").write_text("")
-    (root / "target.py").write_text(TARGET_SRC)
-    (root / "user.py").write_text(USER_SRC.format(pkg=name))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
-    yield name
-    for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-        del sys.modules[mod]
+    with throwaway_package(tmp_path, monkeypatch, "fakepkg", {"target": TARGET_SRC, "user": USER_SRC}) as name:
+        yield name
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 
@@ -19,6 +18,7 @@ from adapter import __main__ as cli
 from adapter import kernels, report
 from adapter.registry import PatchRegistry
 from patches import megatron_lm
+from tests.conftest import throwaway_package
 from tests.distributed import ROOT
 
 VERSION_KEYS = {"python", "torch", "torch_cuda", "torch_npu", "cann", "megatron_core", "megatron_lm", "apex",
@@ -101,17 +101,9 @@ def test_report_on_a_device_names_it_and_finds_no_problem(device):
 # ------------------------------------------------------------------------------------- a broken table
 @pytest.fixture
 def package(tmp_path, monkeypatch):
-    """A fresh, uniquely named package standing in for megatron (wrapt's import hooks cannot be
-    unregistered, so no two tests may hook one module name)."""
-    name = f"reportpkg_{uuid.uuid4().hex}"
-    (tmp_path / name).mkdir()
-    (tmp_path / name / "__init__.py").write_text("")
-    (tmp_path / name / "target.py").write_text("def f():\n    return 'f'\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
-    yield name
-    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-        del sys.modules[module]
+    """A fresh package standing in for megatron, with one module ``target`` defining ``f``."""
+    with throwaway_package(tmp_path, monkeypatch, "reportpkg", {"target": "def f():\n    return 'f'\n"}) as name:
+        yield name
 
 
 @pytest.fixture
