@@ -5,7 +5,8 @@ distribution's, not a checkout's.
 its megatron/core would shadow the installed one. The installed distribution is the version the adapter's
 patches were checked against, and the one that ships the compiled dataset helpers (helpers_cpp);
 megatron.training and megatron.legacy still come from the checkout, which is the only place they exist.
-Used by ``python -m adapter.run`` and by the sitecustomize hook it gives every process of a run.
+Used by ``python -m adapter.run`` and by the sitecustomize hook it gives every process of a run; also
+where the Megatron-LM checkout itself is found (``megatron_lm_checkout``).
 """
 
 from __future__ import annotations
@@ -48,3 +49,15 @@ def prefer_installed_megatron_core() -> None:
     core = installed_megatron_core()
     if core is not None and not any(isinstance(f, _InstalledMegatronCore) for f in sys.meta_path):
         sys.meta_path.insert(0, _InstalledMegatronCore(core))
+
+
+def megatron_lm_checkout() -> Path | None:
+    """The root of the Megatron-LM checkout that provides ``megatron.training`` (where pretrain_gpt.py is),
+    or None where megatron.training is not importable."""
+    try:
+        spec = importlib.util.find_spec("megatron.training")
+    except ModuleNotFoundError:  # no megatron package at all
+        return None
+    if spec is None:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).parent.parent

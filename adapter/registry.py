@@ -176,8 +176,8 @@ class PatchRegistry:
 
     def checked(self, versions: str) -> bool:
         """Whether a change declared for megatron-core ``versions`` may go in here: the installed
-        megatron-core is one of them, or ADAPTER_ALLOW_UNTESTED_MEGATRON=1. For the adapter's changes
-        that cannot be registry patches (adapter.stand_ins), so they follow the patches' version rule."""
+        megatron-core is one of them, or ADAPTER_ALLOW_UNTESTED_MEGATRON=1. The rule for every patch, and
+        for the adapter's changes that cannot be registry patches (adapter.stand_ins)."""
         return os.environ.get(ALLOW_UNTESTED_ENV) == "1" or _version_allowed(self._megatron_version(), versions)
 
     # ------------------------------------------------------------------ apply / revert
@@ -253,13 +253,11 @@ class PatchRegistry:
     def _apply_one(self, module, target: str, stack: list[Patch]) -> _Applied:
         version = self._megatron_version()
         for patch in stack:
-            if not _version_allowed(version, patch.versions):
-                message = (f"patch {target} was checked against megatron-core {patch.versions}, but "
-                           f"megatron-core {version} is installed. Install a checked version "
-                           f"(pip install 'megatron-core{patch.versions}'), or set "
-                           f"{ALLOW_UNTESTED_ENV}=1 to try it anyway.")
-                if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
-                    raise PatchVersionError(message)
+            if not self.checked(patch.versions):
+                raise PatchVersionError(
+                    f"patch {target} was checked against megatron-core {patch.versions}, but megatron-core "
+                    f"{version} is installed. Install a checked version (pip install "
+                    f"'megatron-core{patch.versions}'), or set {ALLOW_UNTESTED_ENV}=1 to try it anyway.")
         owner = module
         *path, name = stack[0].attr_path
         for part in path:

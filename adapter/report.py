@@ -31,6 +31,7 @@ import adapter
 from adapter import backend as _backend
 from adapter import device as _device
 from adapter import kernels, stand_ins
+from adapter.core_source import megatron_lm_checkout
 from adapter.registry import PatchRegistry
 
 NOT_INSTALLED = "not installed"
@@ -195,12 +196,12 @@ def megatron_core_version() -> str:
 def megatron_lm_location() -> str:
     """Where Megatron-LM's megatron.training comes from (the megatron-core wheel has none)."""
     try:
-        spec = importlib.util.find_spec("megatron.training")
+        checkout = megatron_lm_checkout()
     except Exception as exc:
         return _error(exc)
-    if spec is None:
+    if checkout is None:
         return "megatron.training not found"
-    return f"megatron.training from {os.path.dirname(spec.origin or next(iter(spec.submodule_search_locations)))}"
+    return f"megatron.training from {checkout / 'megatron' / 'training'}"
 
 
 def apex_version() -> str:

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 import adapter  # noqa: F401 - the backend and the patch table, before anything imports megatron
-from adapter.core_source import installed_megatron_core, prefer_installed_megatron_core
+from adapter.core_source import installed_megatron_core, megatron_lm_checkout, prefer_installed_megatron_core
 
 HOOK_DIR = Path(__file__).resolve().parent / "_spawn_hook"
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # where ``import adapter`` finds the adapter
@@ -55,23 +55,19 @@ def _package_version(package_info: Path) -> str:
 
 def check_megatron_lm() -> None:
     """megatron.training importable; a checkout's megatron/core the installed megatron-core's version."""
-    try:
-        spec = importlib.util.find_spec("megatron.training")
-    except ModuleNotFoundError:  # no megatron at all
-        spec = None
-    if spec is None:
+    checkout = megatron_lm_checkout()
+    if checkout is None:
         raise LaunchError(NO_MEGATRON_TRAINING)
-    checkout = Path(next(iter(spec.submodule_search_locations))).parent  # the checkout's megatron/
-    package_info = checkout / "core" / "package_info.py"
+    package_info = checkout / "megatron" / "core" / "package_info.py"
     core = installed_megatron_core()
     if core is None or not package_info.is_file() or package_info.parent == core:
         return
     installed, checked_out = importlib.metadata.version("megatron-core"), _package_version(package_info)
     if installed != checked_out:
         raise LaunchError(
-            f"megatron-core {installed} is installed, but the Megatron-LM checkout at {checkout.parent} is "
+            f"megatron-core {installed} is installed, but the Megatron-LM checkout at {checkout} is "
             f"megatron-core {checked_out} ({package_info}): check out the Megatron-LM tag core_v{installed} "
-            f"(git -C {checkout.parent} checkout core_v{installed})")
+            f"(git -C {checkout} checkout core_v{installed})")
 
 
 def hook_children() -> None:

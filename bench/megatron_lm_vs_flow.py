@@ -26,6 +26,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from adapter.core_source import megatron_lm_checkout  # noqa: E402 - after the repository is importable
+
 NPROC = 2
 SHAPES = {
     "small": dict(layers=4, hidden=256, ffn=704, heads=8, groups=4, seq=256, vocab=4095, micro=4, batch=8),
@@ -53,14 +56,10 @@ def model_args(shape: dict, iters: int) -> list[str]:
 
 def find_megatron_lm(given: str | None) -> Path:
     """The checkout, or SystemExit saying what is missing."""
-    if given is None:
-        spec = importlib.util.find_spec("megatron.training")
-        if spec is None:
-            raise SystemExit("no Megatron-LM: pass --megatron-lm PATH, or put a Megatron-LM checkout at tag "
-                             "core_v0.16.1 on PYTHONPATH")
-        checkout = Path(next(iter(spec.submodule_search_locations))).parent.parent
-    else:
-        checkout = Path(given).resolve()
+    checkout = megatron_lm_checkout() if given is None else Path(given).resolve()
+    if checkout is None:
+        raise SystemExit("no Megatron-LM: pass --megatron-lm PATH, or put a Megatron-LM checkout at tag "
+                         "core_v0.16.1 on PYTHONPATH")
     missing = [p for p in ("pretrain_gpt.py", "megatron/training/__init__.py") if not (checkout / p).is_file()]
     if missing:
         raise SystemExit(f"{checkout} is not a Megatron-LM checkout: no {', '.join(missing)}")

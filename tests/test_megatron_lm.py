@@ -16,7 +16,6 @@ iterations 11 and 12 as the second value after a (re)start, so the resume is com
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from adapter.core_source import megatron_lm_checkout
 from tests.distributed import ROOT
 
 pytestmark = pytest.mark.megatron_lm
@@ -43,8 +43,7 @@ VALID_LINE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (
 
 
 def _pretrain_gpt() -> Path:
-    training = importlib.util.find_spec("megatron.training")
-    return Path(next(iter(training.submodule_search_locations))).parent.parent / "pretrain_gpt.py"
+    return megatron_lm_checkout() / "pretrain_gpt.py"
 
 
 def _run(workdir: Path, name: str, nproc: int, args: list[str]) -> str:
