@@ -37,23 +37,153 @@ class CheckpointError(ValueError):
     """A checkpoint directory that is missing, incomplete or not what the caller expects."""
 
 
+PARTIAL = ".partial"  # a checkpoint being written, beside its final name
+REPLACED = ".replaced"  # the previous copy of an iteration saved again, until the new one is published
+
+
+def aside(path: Path, suffix: str) -> Path:
+    """``.<name><suffix>`` beside ``path``: hidden, so nothing that lists iterations takes it for one."""
+    return path.with_name(f".{path.name}{suffix}")
+
+
+def checkpoint_name(iteration: int | str) -> str:
+    return RELEASE if str(iteration) == RELEASE else f"iter_{int(iteration):07d}"
+
+
+def is_complete(path: Path) -> bool:
+    """A torch_dist checkpoint whose save finished: torch writes ``.metadata`` once every rank's chunks are
+    written, megatron writes ``metadata.json`` after that."""
+    return (path / "metadata.json").is_file() and (path / ".metadata").is_file()
+
+
+def newest_complete(load_dir: Path) -> Path | None:
+    done = [p for p in load_dir.glob("iter_*") if p.name[5:].isdigit() and is_complete(p)]
+    return max(done, key=lambda p: int(p.name[5:]), default=None)
+
+
+def checkpoint_to_load(load_dir: str | os.PathLike, recoverable: bool = False) -> Path | None:
+    """The checkpoint ``load_dir``'s tracker names (``load_dir`` itself if it is one); None when nothing was
+    ever published there (no tracker, no complete iteration: training starts from scratch).
+
+    A tracker naming a missing or incomplete checkpoint, or complete iterations without a tracker, is a
+    CheckpointError naming it and the newest complete one: never a silent start from scratch, which would
+    then overwrite the iterations there. ``recoverable``: ``load_dir`` is the run's own --save directory,
+    where ``recover_interrupted_save`` first puts back the previous copy a killed re-save moved aside."""
+    load_dir = Path(load_dir)
+    if (load_dir / "metadata.json").is_file():
+        return load_dir
+    tracker = load_dir / TRACKER
+    newest = newest_complete(load_dir) if load_dir.is_dir() else None
+    if not tracker.is_file():
+        if newest is None:
+            return None
+        raise CheckpointError(f"{load_dir} holds {newest.name} but no {TRACKER}: write {int(newest.name[5:])} into "
+                              f"{tracker} to resume from it, or load from an empty directory to start afresh")
+    text = tracker.read_text().strip()
+    if text != RELEASE and not text.isdigit():
+        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number or {RELEASE!r}")
+    path = load_dir / checkpoint_name(text)
+    if is_complete(path) or (recoverable and is_complete(aside(path, REPLACED))):
+        return path
+    state = "incomplete (no metadata.json and .metadata)" if path.exists() else "missing"
+    previous = aside(path, REPLACED)
+    fix = (f"; its previous copy is complete at {previous.name} (a save was killed while replacing it): "
+           f"rename it to {path.name}" if is_complete(previous) else
+           f"; the newest complete checkpoint there is {newest.name}: write {int(newest.name[5:])} into "
+           f"{TRACKER} to resume from it" if newest else "; there is no complete checkpoint there")
+    raise CheckpointError(f"{TRACKER} names {path}, which is {state}{fix}")
+
+
 def iteration_dir(load_dir: str | os.PathLike, iteration: int | str | None = None) -> Path:
     """The checkpoint directory in ``load_dir``: ``iteration`` if given, else what the tracker file names;
     ``load_dir`` itself when it is a checkpoint directory (has metadata.json)."""
     load_dir = Path(load_dir)
     if iteration is None:
-        if (load_dir / "metadata.json").is_file():
-            return load_dir
-        tracker = load_dir / TRACKER
-        if not tracker.is_file():
+        path = checkpoint_to_load(load_dir)
+        if path is None:
             raise CheckpointError(f"{load_dir} holds no megatron checkpoint: neither {TRACKER} nor "
                                   "metadata.json is there (pass the directory given to --save)")
-        iteration = tracker.read_text().strip()
-    name = RELEASE if str(iteration) == RELEASE else f"iter_{int(iteration):07d}"
-    path = load_dir / name
-    if not (path / "metadata.json").is_file():
-        raise CheckpointError(f"{path} is not a complete torch_dist checkpoint (no metadata.json)")
+        return path
+    path = load_dir / checkpoint_name(iteration)
+    if not is_complete(path):
+        raise CheckpointError(f"{path} is not a complete torch_dist checkpoint (no metadata.json and .metadata)")
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# publishing: a checkpoint is never lost, whenever the process is killed
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(path: Path) -> None:
+    """Put a written checkpoint on disk: every file but the ``.distcp`` chunks (their writers fsync those,
+    on whichever node wrote them), then each directory's entries."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            if not name.endswith(".distcp"):
+                _fsync(Path(folder) / name)
+        _fsync(Path(folder))
+
+
+def write_tracker(save_dir: Path, iteration: int | str) -> None:
+    """Point the tracker at ``iteration``: written beside it, on disk, then renamed over it."""
+    tracker = aside(save_dir / TRACKER, PARTIAL)
+    with open(tracker, "w") as out:
+        out.write(str(iteration))
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tracker, save_dir / TRACKER)
+    _fsync(save_dir)
+
+
+def publish(partial: Path, iteration: int | str) -> Path:
+    """Make the complete checkpoint written at ``partial`` the one its iteration's name and the tracker
+    point to. Each step is on disk before the next, so a process killed at any instant leaves a complete
+    checkpoint where the tracker points, or one ``recover_interrupted_save`` puts back: an existing copy
+    of the iteration moves aside before the new one moves in, the tracker is replaced after, and the old
+    copy is removed last."""
+    save_dir = partial.parent
+    final, previous = save_dir / checkpoint_name(iteration), aside(save_dir / checkpoint_name(iteration), REPLACED)
+    sync_tree(partial)
+    if final.exists():
+        shutil.rmtree(previous, ignore_errors=True)  # left by an earlier kill, with ``final`` complete
+        os.rename(final, previous)
+        _fsync(save_dir)
+    os.rename(partial, final)
+    _fsync(save_dir)
+    write_tracker(save_dir, iteration)
+    if previous.exists():
+        shutil.rmtree(previous)
+    return final
+
+
+def recover_interrupted_save(save_dir: str | os.PathLike) -> list[str]:
+    """Finish or undo what a save killed while publishing left in ``save_dir``; returns what it did.
+
+    A previous copy moved aside goes back if the new one never moved in, and is removed if it did (the
+    new one is complete: it is renamed in only then); unpublished partial writes are removed. Only for a
+    run's own --save directory, before it saves: another job may be publishing in a directory it loads."""
+    save_dir, done = Path(save_dir), []
+    for previous in sorted(save_dir.glob(f".*{REPLACED}")):
+        final = save_dir / previous.name[1:-len(REPLACED)]
+        if final.exists():
+            shutil.rmtree(previous)
+            done.append(f"removed {previous.name}, the replaced copy of the complete {final.name}")
+        else:
+            os.rename(previous, final)
+            done.append(f"restored {final.name} from {previous.name} (a save was killed while replacing it)")
+    for partial in sorted(save_dir.glob(f".*{PARTIAL}")):
+        shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
+        done.append(f"removed {partial.name}, an unpublished write")
+    if done:
+        _fsync(save_dir)
+    return done
 
 
 @contextlib.contextmanager
@@ -164,11 +294,10 @@ def write_checkpoint(save_dir: str | os.PathLike, chunks: Iterable[tuple[WriteIt
                                                                 get_default_save_sharded_strategy)
 
     save_dir = Path(save_dir)
-    name = RELEASE if str(iteration) == RELEASE else f"iter_{int(iteration):07d}"
-    final = save_dir / name
+    final = save_dir / checkpoint_name(iteration)
     if final.exists():
         raise CheckpointError(f"{final} exists already: choose another --save-dir or remove it")
-    partial = save_dir / f".{name}.partial-{os.getpid()}"
+    partial = aside(final, PARTIAL)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
@@ -187,14 +316,10 @@ def write_checkpoint(save_dir: str | os.PathLike, chunks: Iterable[tuple[WriteIt
         torch.save(common, partial / "common.pt")
         save_config(CheckpointingConfig(sharded.backend, sharded.version, common_strategy.backend,
                                         common_strategy.version), partial)
-        partial.rename(final)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    tracker = save_dir / f".{TRACKER}.partial-{os.getpid()}"
-    tracker.write_text(str(iteration))
-    tracker.replace(save_dir / TRACKER)
-    return final
+    return publish(partial, iteration)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from adapter.training.arguments import ArgumentError  # noqa: E402
 from adapter.training.data import get_batch, train_valid_test_datasets_provider  # noqa: E402
 from adapter.training.global_vars import get_args  # noqa: E402
 from adapter.training.pretrain import pretrain, transformer_config_overrides  # noqa: E402
+from adapter.training.shared_outcome import StepFailed  # noqa: E402
 from models.provider import make_model_provider  # noqa: E402
 
 
@@ -56,9 +57,12 @@ def main(argv=None) -> int:
     try:
         pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
                  argv=argv)
-    except ArgumentError as exc:
+    except ArgumentError as exc:  # found once ranks are running (e.g. datasets that cannot be built)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except StepFailed as exc:  # a save that failed: every rank stops with the one error
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,34 +1,154 @@
-"""Rank functions for the pretrain-flow tests: scripts/pretrain_gpt.py's providers through ``pretrain``."""
+"""Rank functions for the pretrain-flow tests: scripts/pretrain_gpt.py's providers through ``pretrain``, as
+they are, killed at a step of a save, failing in one, or inspected after training."""
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
+from pathlib import Path
 
 import adapter  # noqa: F401 - before megatron
 import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 from megatron.core.enums import ModelType
 
+import models.checkpoint as mcore
 from adapter.training import checkpointing
-from adapter.training.pretrain import pretrain
+from adapter.training import pretrain as flow
+from models.verify import megatron_logits
 from scripts.pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
 
 
 def run_pretrain(argv: list[str]) -> dict:
-    history = pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                       forward_step, argv=argv)
+    history = flow.pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
+                            forward_step, argv=argv)
     torch.distributed.destroy_process_group()
     return history
 
 
-def run_pretrain_killed_in_save(argv: list[str], iteration: int) -> dict:
-    """As run_pretrain, but rank 0 dies (as if killed) once every rank has written the checkpoint of
-    ``iteration`` and before it is published."""
-    save = checkpointing.dist_checkpointing.save
+# the steps of a save, each named by what has just happened when the test kills every process
+KILL_STEPS = ("partial made", "partial written", "old copy moved aside", "new copy moved in", "tracker replaced")
 
-    def save_then_die(state, directory, *args, **kwargs):
-        save(state, directory, *args, **kwargs)
-        if f"iter_{iteration:07d}" in directory and torch.distributed.get_rank() == 0:
-            os._exit(9)
 
-    checkpointing.dist_checkpointing.save = save_then_die
+def run_pretrain_killed_at(argv: list[str], iteration: int, step: str, pid_dir: str) -> dict:
+    """As run_pretrain, but when the save of ``iteration`` reaches ``step`` (rank 0 watching) every rank's
+    process is SIGKILLed, as a node failure or a job scheduler would."""
+    Path(pid_dir, f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
+    if os.environ["RANK"] == "0":
+        name = mcore.checkpoint_name(iteration)
+        _after(checkpointing.dist_checkpointing, "save", lambda state, directory, *a, **k: name in directory,
+               {"partial made": "before", "partial written": "after"}.get(step), pid_dir)
+        moved = {"old copy moved aside": lambda src, dst: Path(src).name == name,
+                 "new copy moved in": lambda src, dst: Path(dst).name == name}
+        if step in moved:
+            _after(mcore.os, "rename", moved[step], "after", pid_dir)
+        if step == "tracker replaced":
+            _after(mcore.os, "replace", lambda src, dst: Path(dst).name == mcore.TRACKER and
+                   Path(dst).read_text() == str(iteration), "after", pid_dir)
     return run_pretrain(argv)
+
+
+def _after(owner, attribute: str, matches, when: str | None, pid_dir: str) -> None:
+    """Wrap ``owner.attribute`` so that a call for which ``matches(*args)`` kills every rank, ``before``
+    or ``after`` it runs."""
+    if when is None:
+        return
+    original = getattr(owner, attribute)
+
+    def call(*args, **kwargs):
+        if when == "before" and matches(*args):
+            _kill_every_rank(pid_dir)
+        result = original(*args, **kwargs)
+        if when == "after" and matches(*args):
+            _kill_every_rank(pid_dir)
+        return result
+
+    setattr(owner, attribute, call)
+
+
+def _kill_every_rank(pid_dir: str) -> None:
+    pids = [int(p.read_text()) for p in Path(pid_dir).iterdir()]
+    for pid in sorted(pids, key=lambda pid: pid == os.getpid()):  # this process last
+        os.kill(pid, signal.SIGKILL)
+
+
+def _failures(iteration: int) -> dict:
+    """failure -> (the rank it happens on, what makes it happen there)."""
+    name = mcore.checkpoint_name(iteration)
+    return {
+        # rank 1's disk fills up as it starts writing; rank 0 is then inside megatron's collectives
+        "rank 1 cannot write": (1, lambda: _fail_in(
+            checkpointing.dist_checkpointing, "save", lambda state, directory, *a, **k: name in directory,
+            OSError(errno.ENOSPC, "No space left on device"))),
+        # rank 0 may not rename the written checkpoint into place; the others wait in the closing barrier
+        "rank 0 cannot publish": (0, lambda: _fail_in(
+            mcore.os, "rename", lambda src, dst: Path(dst).name == name,
+            PermissionError(errno.EACCES, "Permission denied"))),
+    }
+
+
+def run_pretrain_failing(argv: list[str], iteration: int, failure: str) -> dict:
+    """As run_pretrain, with the save of ``iteration`` failing on one rank as ``failure`` says."""
+    rank, install = _failures(iteration)[failure]
+    if int(os.environ["RANK"]) == rank:
+        install()
+    return run_pretrain(argv)
+
+
+def _fail_in(owner, attribute: str, matches, error: OSError) -> None:
+    original = getattr(owner, attribute)
+
+    def call(*args, **kwargs):
+        if matches(*args, **kwargs):
+            raise error
+        return original(*args, **kwargs)
+
+    setattr(owner, attribute, call)
+
+
+def run_pretrain_and_compare_with_saved(argv: list[str], tokens: torch.Tensor) -> dict:
+    """Train (and save at the end), then compare this rank's live parameters, as the next forward uses them,
+    with the checkpoint's. Also returns whether, right after the last optimizer step, the parameters were
+    not yet all fresh (the deferred all-gather the save must not miss), and the live logits for ``tokens``."""
+    chunks, stale = [], {}
+    setup, step = flow.setup_model_and_optimizer, flow.train_step
+
+    def kept_setup(*args, **kwargs):
+        built = setup(*args, **kwargs)
+        chunks.extend(built[0])
+        return built
+
+    def snapshot_step(*args, **kwargs):
+        result = step(*args, **kwargs)
+        stale.update(_parameters(chunks))
+        return result
+
+    flow.setup_model_and_optimizer, flow.train_step = kept_setup, snapshot_step
+    flow.pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+                  argv=argv)
+    args = flow.global_vars.get_args()
+    logits = megatron_logits(chunks, tokens, args.model_config)  # the next forward: its hooks gather all
+    live = _parameters(chunks)
+    reader = mcore.checkpoint_reader(mcore.iteration_dir(args.save))
+    saved = mcore.read_regions(reader, {t.key: ((0,) * len(t.global_shape), tuple(t.global_shape), t.dtype)
+                                        for t in _sharded_tensors(chunks)})
+    saved = {(t.key, t.global_offset): saved[t.key][tuple(slice(o, o + n) for o, n in zip(
+        t.global_offset, (1,) * t.prepend_axis_num + tuple(t.local_shape)))].reshape(t.data.shape)
+        for t in _sharded_tensors(chunks)}
+    torch.distributed.destroy_process_group()
+    return {"saved equals live": {str(key): torch.equal(saved[key], t) for key, t in live.items()},
+            "stale after the step": any(not torch.equal(stale[key], t) for key, t in live.items()),
+            "logits": logits}
+
+
+def _sharded_tensors(chunks: list) -> list[ShardedTensor]:
+    sharded = chunks[0].module.sharded_state_dict()
+    apply_factories(sharded)
+    return [t for t in nested_values(sharded) if isinstance(t, ShardedTensor)]
+
+
+def _parameters(chunks: list) -> dict[tuple, torch.Tensor]:
+    """(checkpoint key, offset) -> a copy of this rank's tensor there (whole layers at TP 1 x PP 1)."""
+    return {(t.key, t.global_offset): t.data.detach().clone() for t in _sharded_tensors(chunks)}

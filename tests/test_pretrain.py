@@ -1,6 +1,6 @@
 """The pretrain flow end to end on gloo ranks: training lowers the loss, a resumed run continues the
-uninterrupted loss curve exactly (also after a kill during a save), a run resumes at another layout, and
-bad arguments are one clear message."""
+uninterrupted loss curve exactly, and a run resumes at another layout.
+The bad-argument table is tests/test_arguments.py; saves that are killed or fail, tests/test_checkpoint_safety.py."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
-from adapter.training.arguments import ArgumentError, parse_args, validate_args
-from tests.distributed import ROOT, RankFailure, run_ranks
-from tests.pretrain_ranks import run_pretrain, run_pretrain_killed_in_save
+from tests.distributed import ROOT, run_ranks
+from tests.pretrain_ranks import run_pretrain
 
 pytestmark = pytest.mark.multiproc
 
@@ -60,20 +59,6 @@ def test_resume_continues_the_uninterrupted_curve_bit_exactly(uninterrupted, tmp
 
 
 @pytest.mark.slow
-def test_kill_during_save_leaves_the_previous_checkpoint_to_resume_from(uninterrupted, tmp_path):
-    with pytest.raises(RankFailure):
-        run_ranks(4, run_pretrain_killed_in_save,
-                  _argv(12, 2, 2, "--save", str(tmp_path), "--save-interval", "3"), 6)
-    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3"
-    assert not (tmp_path / "iter_0000006").exists()
-    resumed = _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2, "--load", str(tmp_path), "--save", str(tmp_path),
-                                                       "--save-interval", "3")))
-    assert resumed == {i: uninterrupted[i] for i in range(4, 13)}
-    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "12"
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
-
-
-@pytest.mark.slow
 def test_resume_at_another_layout_continues_the_curve(uninterrupted, tmp_path):
     """Saved at TP2 x PP2 (4 ranks), resumed at TP1 x DP2 (2 ranks): same data order, same weights and
     optimizer state, so the same losses up to reduction order."""
@@ -93,36 +78,6 @@ def test_interleaved_pipeline_trains_and_resumes_bit_exactly(tmp_path):
     run_ranks(2, run_pretrain, _argv(6, 1, 2, *vpp, "--save", str(tmp_path), "--exit-interval", "3"))
     resumed = _losses(run_ranks(2, run_pretrain, _argv(6, 1, 2, *vpp, "--load", str(tmp_path))))
     assert resumed == {i: reference[i] for i in range(4, 7)}
-
-
-@pytest.mark.parametrize("change, world, message", [
-    (["--global-batch-size", "6"], 2, "global batch 6 is not divisible by micro batch 2 x data-parallel size 2"),
-    (["--tensor-model-parallel-size", "3"], 6, "tensor parallel size 3 does not divide num_attention_heads=4"),
-    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by TP 2"),
-    (["--bf16", "--fp16"], 1, "--bf16 and --fp16 together"),
-    (["--overlap-param-gather"], 1, "--overlap-param-gather needs --use-distributed-optimizer"),
-    (["--data-path", "x"], 1, "give exactly one of --data-path and --mock-data"),
-    (["--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2"], 2,
-     "4 layers over PP 2 cannot be cut into virtual stages of 3 layers"),
-])
-def test_inconsistent_arguments_are_one_clear_error(change, world, message):
-    argv = ["--model", "qwen2.5-tiny", "--micro-batch-size", "2", "--global-batch-size", "8",
-            "--train-iters", "1", "--lr", "1e-3", "--mock-data", *change]
-    with pytest.raises(ArgumentError, match=message.replace("(", r"\(")):
-        validate_args(parse_args(argv), world)
-
-
-def test_num_micro_batches_is_global_over_micro_times_dp():
-    args = validate_args(parse_args(["--model", "qwen2.5-tiny", "--micro-batch-size", "2", "--global-batch-size",
-                                     "16", "--train-iters", "1", "--lr", "1e-3", "--mock-data"]), 4)
-    assert (args.data_parallel_size, args.num_micro_batches) == (4, 2)
-
-
-def test_unknown_arguments_are_refused_by_name():
-    done = subprocess.run([sys.executable, "scripts/pretrain_gpt.py", "--model", "qwen2.5-tiny",
-                           "--no-such-flag"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert "unrecognized arguments: --no-such-flag" in done.stderr
 
 
 def _validation_losses(stdout: str) -> dict[int, float]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from typing import NoReturn
 
 
 class ArgumentError(ValueError):
@@ -146,8 +148,19 @@ def _logging(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors, like every refusal here, are printed by rank 0 only (exit status 2 on
+    every rank): each rank parses the same command line and reaches the same verdict."""
+
+    def error(self, message: str) -> NoReturn:
+        if _rank() == 0:
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Megatron-LM-style pretraining through the device adapter",
+    parser = _Parser(description="Megatron-LM-style pretraining through the device adapter",
                                      allow_abbrev=False)
     for add in (_model, _parallel, _training, _data, _checkpointing, _logging):
         add(parser)
@@ -163,45 +176,140 @@ def parse_args(argv=None, extra_args_provider=None, defaults: dict | None = None
     return parser.parse_args(argv)
 
 
+def refuse(exc: Exception) -> NoReturn:
+    """Stop on arguments that cannot run: one ``error:`` line from rank 0, exit status 2 on every rank.
+
+    Every rank reaches the same verdict from the same arguments before any process group exists, so no
+    rank is left waiting for another and the user reads the reason once, not once per rank."""
+    if _rank() == 0:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ArgumentError(message)
 
 
 def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
-    """Check the arguments against each other and the world size; fills in what Megatron-LM derives
-    (data-parallel size, virtual pipeline size, params dtype, warmup iterations, decay iterations)."""
-    import torch
-
-    import models
-    from models.config import ModelConfigError
-    from models.provider import config_from_args
-
+    """Check the arguments against each other and the world size, one concern per check, before anything
+    is built; fills in what Megatron-LM derives (data-parallel size, virtual pipeline size, params dtype,
+    warmup and decay iterations, the NullTokenizer's vocabulary, the model config). The one check that
+    needs the built tokenizer is ``fit_vocab``."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    _check_sizes(args)
+    _check_parallel_sizes(args, world_size)
+    _check_model(args)
+    _check_virtual_pipeline(args)
+    _check_batches(args)
+    _check_precision_and_overlap(args)
+    _check_schedule(args)
+    _check_data(args)
+    _check_checkpoints(args)
+    return args
+
+
+POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+            "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "micro_batch_size",
+            "global_batch_size", "seq_length", "num_layers", "hidden_size", "ffn_hidden_size",
+            "num_attention_heads", "num_query_groups", "max_position_embeddings", "vocab_size", "rotary_base",
+            "norm_epsilon", "make_vocab_size_divisible_by", "ddp_bucket_size", "distributed_timeout_minutes",
+            "log_interval", "eval_interval", "save_interval", "exit_interval", "loss_scale", "initial_loss_scale",
+            "loss_scale_window", "recompute_num_layers")
+NOT_NEGATIVE = ("train_iters", "lr", "min_lr", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction",
+                "lr_warmup_init", "weight_decay", "clip_grad", "eval_iters", "num_workers", "hidden_dropout",
+                "attention_dropout", "init_method_std", "hysteresis", "min_loss_scale")
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """Sizes, counts and intervals are positive (rates and counts that may be zero, not negative)."""
+    for names, bad, need in ((POSITIVE, lambda v: v <= 0, "positive"),
+                             (NOT_NEGATIVE, lambda v: v < 0, "zero or more")):
+        for name in names:
+            value = getattr(args, name, None)
+            _require(value is None or not bad(value), f"--{name.replace('_', '-')} {value}: must be {need}")
+
+
+def _check_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    for name, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                        ("--context-parallel-size", cp), ("--micro-batch-size", args.micro_batch_size)):
-        _require(value >= 1, f"{name} {value}: must be at least 1")
     model_parallel = tp * pp * cp
     _require(world_size % model_parallel == 0,
              f"world size {world_size} is not divisible by TP {tp} x PP {pp} x CP {cp} = {model_parallel}: "
              "launch a multiple of that many processes or change the parallel sizes")
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron-LM: nothing to split over
+    _require(cp == 1, f"--context-parallel-size {cp}: context parallelism is not supported by the adapter's "
+                      "core attention yet; use 1")
+    _require(args.distributed_backend is None or _backend_matches(args.distributed_backend),
+             f"--distributed-backend {args.distributed_backend} does not match the adapter's backend "
+             f"({_backend_name()}): leave it out, the adapter picks the collective library")
 
+
+def _check_model(args: argparse.Namespace) -> None:
+    """The named model exists; the architecture is whole and consistent. The NullTokenizer's vocabulary
+    defaults to the named model's (less the end-of-document id it adds); the embedding rows are the named
+    model's, else the vocabulary padded as Megatron-LM pads it (``fit_vocab`` redoes that once a file
+    tokenizer is loaded)."""
     if args.use_rotary_position_embeddings and args.position_embedding_type is None:
         args.position_embedding_type = "rope"
     _require(args.model is not None or args.num_layers is not None,
-             "no model: pass --model NAME (one of " + ", ".join(models.names()) + ") or the architecture "
+             "no model: pass --model NAME (one of " + ", ".join(_models().names()) + ") or the architecture "
              "arguments (--num-layers, --hidden-size, --num-attention-heads, ...)")
     _require(args.seq_length is not None or args.model is not None, "--seq-length is required")
+    named = _named_model(args)
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None and named is not None:
+        args.vocab_size = named.vocab_size - 1
+    known_vocab = args.vocab_size + 1 if args.tokenizer_type == "NullTokenizer" and args.vocab_size else None
+    _set_model_config(args, known_vocab or args.vocab_size or _vocab_multiple(args))
+
+
+def _named_model(args: argparse.Namespace):
+    if args.model is None:
+        return None
+    try:
+        return _models().get(args.model)
+    except _models().ModelConfigError as exc:
+        raise ArgumentError(f"--model {args.model}: {exc}") from exc
+
+
+def _vocab_multiple(args: argparse.Namespace) -> int:
+    return args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+
+
+def _set_model_config(args: argparse.Namespace, tokenizer_vocab: int) -> None:
+    named = _named_model(args)
+    if named is not None:
+        _require(tokenizer_vocab <= named.vocab_size,
+                 f"the tokenizer has {tokenizer_vocab} entries, more than the {named.vocab_size} embedding rows "
+                 f"of {args.model}: use the model's tokenizer or override --vocab-size")
+        args.padded_vocab_size = named.vocab_size
+    else:
+        args.padded_vocab_size = -(-tokenizer_vocab // _vocab_multiple(args)) * _vocab_multiple(args)
+    from models.config import ModelConfigError
+    from models.provider import config_from_args
+
     try:
         args.model_config = config_from_args(args)
     except ModelConfigError as exc:
         raise ArgumentError(str(exc)) from exc
-    model = args.model_config
-    args.seq_length = model.seq_length
+    args.seq_length = args.model_config.seq_length
 
+
+def fit_vocab(args: argparse.Namespace, tokenizer_vocab: int) -> None:
+    """Size the embedding for the built tokenizer: a named model's rows must hold it; otherwise the
+    tokenizer's vocabulary padded to --make-vocab-size-divisible-by x TP, as Megatron-LM does."""
+    _set_model_config(args, tokenizer_vocab)
+    _check_layout(args)
+
+
+def _check_virtual_pipeline(args: argparse.Namespace) -> None:
+    pp, model = args.pipeline_model_parallel_size, args.model_config
     if args.num_layers_per_virtual_pipeline_stage is not None:
         _require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
         per_stage, per_chunk = model.num_layers // pp, args.num_layers_per_virtual_pipeline_stage
@@ -215,11 +323,20 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.virtual_pipeline_model_parallel_size = vpp
     if args.virtual_pipeline_model_parallel_size == 1:
         args.virtual_pipeline_model_parallel_size = None
+    _check_layout(args)
+
+
+def _check_layout(args: argparse.Namespace) -> None:
+    from models.config import ModelConfigError
+
     try:
-        model.check_layout(tp, pp, args.virtual_pipeline_model_parallel_size)
+        args.model_config.check_layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                       args.virtual_pipeline_model_parallel_size)
     except ModelConfigError as exc:
         raise ArgumentError(str(exc)) from exc
 
+
+def _check_batches(args: argparse.Namespace) -> None:
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size
@@ -228,24 +345,26 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
              f"data-parallel size {args.data_parallel_size} = {per_step}: change --global-batch-size or "
              "--micro-batch-size")
     args.num_micro_batches = args.global_batch_size // per_step
+    pp = args.pipeline_model_parallel_size
     if args.virtual_pipeline_model_parallel_size is not None:
         _require(args.num_micro_batches % pp == 0,
                  f"the interleaved schedule needs the number of micro-batches ({args.num_micro_batches}) to be "
                  f"a multiple of PP {pp}: change --global-batch-size")
 
+
+def _check_precision_and_overlap(args: argparse.Namespace) -> None:
+    import torch
+
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 together: choose one")
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    if args.sequence_parallel and tp == 1:
-        args.sequence_parallel = False  # as Megatron-LM: nothing to split over
     _require(not args.overlap_param_gather or args.use_distributed_optimizer,
              "--overlap-param-gather needs --use-distributed-optimizer")
-    _require(cp == 1, f"--context-parallel-size {cp}: context parallelism is not supported by the adapter's "
-                      "core attention yet; use 1")
-    _require(args.distributed_backend is None or _backend_matches(args.distributed_backend),
-             f"--distributed-backend {args.distributed_backend} does not match the adapter's backend "
-             f"({_backend_name()}): leave it out, the adapter picks the collective library")
+    if args.recompute_granularity == "full":
+        _require(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method")
 
-    _require(args.train_iters is not None and args.train_iters >= 0, "--train-iters is required (iterations)")
+
+def _check_schedule(args: argparse.Namespace) -> None:
+    _require(args.train_iters is not None, "--train-iters is required (iterations)")
     _require(args.lr is not None, "--lr is required")
     _require(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
              "--lr-warmup-fraction and --lr-warmup-iters together: give one")
@@ -255,20 +374,42 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _require(args.lr_warmup_iters <= args.lr_decay_iters,
              f"--lr-warmup-iters {args.lr_warmup_iters} exceeds the decay iterations {args.lr_decay_iters}")
 
-    _require(bool(args.mock_data) != bool(args.data_path),
-             "give exactly one of --data-path and --mock-data")
+
+def _check_data(args: argparse.Namespace) -> None:
+    """One data source whose files exist, and a tokenizer file where the type needs one."""
+    _require(bool(args.mock_data) != bool(args.data_path), "give exactly one of --data-path and --mock-data")
     if args.data_path and len(args.data_path) > 1:
         _require(len(args.data_path) % 2 == 0, "--data-path with several datasets is WEIGHT PREFIX pairs")
+    prefixes = args.data_path[1::2] if args.data_path and len(args.data_path) > 1 else args.data_path or []
+    for prefix in prefixes:
+        missing = [suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]
+        _require(not missing, f"--data-path {prefix}: {' and '.join(prefix + s for s in missing)} not found; pass "
+                              "the prefix scripts/preprocess_data.py wrote (without .bin/.idx)")
     if args.tokenizer_type != "NullTokenizer":
         _require(args.tokenizer_model is not None, f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+
+
+def _check_checkpoints(args: argparse.Namespace) -> None:
+    """--save-interval has a directory; a --load tracker names a checkpoint that is there."""
     if args.save_interval is not None:
         _require(args.save is not None, "--save-interval needs --save (the directory)")
-    if args.recompute_granularity == "full":
-        _require(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method")
-    for name in ("log_interval", "eval_interval", "save_interval", "exit_interval"):
-        value = getattr(args, name)
-        _require(value is None or value > 0, f"--{name.replace('_', '-')} {value}: must be positive")
-    return args
+    if args.load:
+        from models.checkpoint import CheckpointError, checkpoint_to_load
+
+        try:
+            checkpoint_to_load(args.load, recoverable=_same_dir(args.load, args.save))
+        except CheckpointError as exc:
+            raise ArgumentError(f"--load {args.load}: {exc}") from exc
+
+
+def _same_dir(a: str | None, b: str | None) -> bool:
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def _models():
+    import models
+
+    return models
 
 
 def _backend_name() -> str:

@@ -1,16 +1,19 @@
 """Training checkpoints in Megatron-LM's layout and megatron's torch_dist format: model, optimizer, LR
 scheduler, RNG states, iteration and consumed samples.
 
-Saving is atomic: every rank writes into ``.iter_XXXXXXX.partial``, rank 0 renames it to ``iter_XXXXXXX``
-only after all ranks finished, and the tracker file is replaced after that; a process killed anywhere in
-between leaves the previous checkpoint and a tracker pointing at it. The model and the distributed
+A checkpoint is never lost: every rank writes into ``.iter_XXXXXXX.partial``; once all have, rank 0
+publishes it (``models.checkpoint.publish``: an existing copy of the iteration moves aside, the new one
+moves in, the tracker is replaced, the old copy goes, each step on disk before the next), so a process
+killed at any instant leaves a complete checkpoint to resume from, and the next start puts back what
+the kill interrupted (``recover_interrupted_save``). A save that fails on any rank stops every rank
+with that error. The model and the distributed
 optimizer are saved resharding-capable (``fully_reshardable``), so a run resumes at another TP/PP/DP;
 RNG states are per TP/PP rank and are restored only on the layout that saved them (as Megatron-LM does).
 """
 
 from __future__ import annotations
 
-import os
+import datetime
 import random
 import shutil
 from pathlib import Path
@@ -21,6 +24,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from adapter import device
+from adapter.training.shared_outcome import shared_outcome
 from models import checkpoint as mcore_checkpoint
 
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -73,36 +77,44 @@ def _layout(args) -> dict:
 
 
 def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, consumed: dict) -> Path:
-    """Write ``<save>/iter_<iteration>`` on every rank, then publish it; returns its path."""
-    save_dir = Path(args.save)
-    name = f"iter_{iteration:07d}"
-    partial, final = save_dir / f".{name}.partial", save_dir / name
+    """Write ``<save>/iter_<iteration>`` on every rank, then publish it; returns its path. Any rank's
+    failure stops every rank with that error (``shared_outcome``), leaving the published checkpoints as
+    they were."""
+    partial = mcore_checkpoint.aside(Path(args.save) / mcore_checkpoint.checkpoint_name(iteration),
+                                     mcore_checkpoint.PARTIAL)
     rank = torch.distributed.get_rank()
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
-        shutil.rmtree(final, ignore_errors=True)  # an older run's checkpoint of the same iteration
-        partial.mkdir(parents=True)
-    torch.distributed.barrier()
-    state = _sharded_state(args, model, optimizer, scheduler, iteration, consumed,
-                           with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng)
-    dist_checkpointing.save(state, str(partial))
-    torch.distributed.barrier()  # every rank's files are complete
-    if rank == 0:
-        partial.rename(final)
-        tracker = save_dir / f".{mcore_checkpoint.TRACKER}.partial"
-        tracker.write_text(str(iteration))
-        os.replace(tracker, save_dir / mcore_checkpoint.TRACKER)
-    torch.distributed.barrier()
-    return final
+    with shared_outcome(f"saving iteration {iteration} to {args.save}", _timeout(args)):
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
+            partial.mkdir(parents=True)
+        torch.distributed.barrier()
+        state = _sharded_state(args, model, optimizer, scheduler, iteration, consumed,
+                               with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng)
+        dist_checkpointing.save(state, str(partial))  # ends once every rank's files are written
+        if rank == 0:
+            mcore_checkpoint.publish(partial, iteration)
+    return Path(args.save) / mcore_checkpoint.checkpoint_name(iteration)
+
+
+def recover_interrupted_save(args) -> None:
+    """Rank 0 finishes or undoes what a save killed while publishing left in ``--save``, before anything
+    is loaded from or saved there."""
+    with shared_outcome(f"recovering {args.save}", _timeout(args)):
+        if torch.distributed.get_rank() == 0 and Path(args.save).is_dir():
+            for line in mcore_checkpoint.recover_interrupted_save(args.save):
+                print(f"{args.save}: {line}", flush=True)
+
+
+def _timeout(args) -> datetime.timedelta:
+    return datetime.timedelta(minutes=args.distributed_timeout_minutes)
 
 
 def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]:
     """Load ``args.load`` (the latest iteration, or a converted release) into model, optimizer and
     scheduler; returns the iteration to continue from and the consumed samples."""
     consumed = {"train": 0, "valid": 0}
-    try:
-        checkpoint = mcore_checkpoint.iteration_dir(args.load)
-    except mcore_checkpoint.CheckpointError:
+    checkpoint = mcore_checkpoint.checkpoint_to_load(args.load)
+    if checkpoint is None:
         if torch.distributed.get_rank() == 0:
             print(f"no checkpoint in {args.load}: training from scratch", flush=True)
         return 0, consumed

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -28,24 +29,25 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 import adapter
 from adapter.training import checkpointing, global_vars
-from adapter.training.arguments import ArgumentError, parse_args, validate_args
+from adapter.training.arguments import ArgumentError, fit_vocab, parse_args, refuse, validate_args
 from adapter.training.training_log import TrainingLog
 
 
 def initialize(extra_args_provider=None, args_defaults: dict | None = None, argv=None):
-    """Parse and check the arguments, build the tokenizer, start the groups; returns the arguments."""
-    import models
+    """Parse and check the arguments, build the tokenizer, start the groups; returns the arguments.
+    Arguments that cannot run stop every rank here, before any process group exists (``refuse``)."""
     from adapter.training.tokenizer import build_tokenizer
 
     args = parse_args(argv, extra_args_provider, args_defaults)
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None and args.model:
-        args.vocab_size = models.get(args.model).vocab_size - 1  # NullTokenizer adds the EOD id
     try:
-        tokenizer = build_tokenizer(args)
-    except ValueError as exc:  # a tokenizer type or model file that does not work: an argument problem
-        raise ArgumentError(str(exc)) from exc
-    _pad_vocab(args, tokenizer.vocab_size)
-    validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+        validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+        try:
+            tokenizer = build_tokenizer(args)
+        except ValueError as exc:  # a tokenizer type or model file that does not work
+            raise ArgumentError(str(exc)) from exc
+        fit_vocab(args, tokenizer.vocab_size)
+    except ArgumentError as exc:
+        refuse(exc)
     global_vars.set_args(args)
     global_vars.set_tokenizer(tokenizer)
 
@@ -62,23 +64,9 @@ def initialize(extra_args_provider=None, args_defaults: dict | None = None, argv
     np.random.seed(seed)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+    if args.save:
+        checkpointing.recover_interrupted_save(args)
     return args
-
-
-def _pad_vocab(args, tokenizer_vocab: int) -> None:
-    """A named model's embedding is padded already (and must hold the tokenizer); otherwise pad the
-    tokenizer's vocabulary to --make-vocab-size-divisible-by x TP, as Megatron-LM does."""
-    import models
-
-    if args.model:
-        rows = models.get(args.model).vocab_size
-        if tokenizer_vocab > rows:
-            raise ArgumentError(f"the tokenizer has {tokenizer_vocab} entries, more than the {rows} embedding "
-                                f"rows of {args.model}: use the model's tokenizer or override --vocab-size")
-        args.padded_vocab_size = rows
-        return
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    args.padded_vocab_size = -(-tokenizer_vocab // multiple) * multiple
 
 
 def transformer_config_overrides(args) -> dict:
@@ -171,6 +159,26 @@ def train_step(forward_step_func, data_iterator, model: list, optimizer, schedul
     return _reduced_losses(losses), not succeeded, grad_norm
 
 
+@contextlib.contextmanager
+def parameters_synced(model: list):
+    """Every rank's model holds all the trained parameters in the block. With --overlap-param-gather the
+    all-gather of what a step updated is deferred into the next step's forward (its pre-hooks wait for
+    it), so after a step each data-parallel rank is fresh only in its own shard: evaluation and saves
+    need every shard now. As Megatron-LM does: the hooks come off with a synchronous all-gather, and go
+    back on after."""
+    args = global_vars.get_args()
+    if not (args.use_distributed_optimizer and args.overlap_param_gather):
+        yield
+        return
+    for chunk in model:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in model:
+            chunk.enable_forward_pre_hook()
+
+
 def evaluate(forward_step_func, data_iterator, model: list, eval_iters: int) -> dict:
     """Mean losses over ``eval_iters`` global batches, without gradients."""
     args = global_vars.get_args()
@@ -248,22 +256,23 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         if logged:
             history["train"].append(logged)
         if do_valid and args.eval_iters and iteration % args.eval_interval == 0:
-            with log.excluded():
+            with log.excluded(), parameters_synced(model):
                 valid = evaluate(forward_step_func, valid_iter, model, args.eval_iters)
             consumed["valid"] += args.eval_iters * args.global_batch_size
             log.validation(iteration, valid)
             history["validation"].append({"iteration": iteration, **valid})
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            with log.excluded():
+            with log.excluded(), parameters_synced(model):
                 checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
         if args.exit_interval and iteration % args.exit_interval == 0:
             break
-    if args.save and (not args.save_interval or iteration % args.save_interval):
-        checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
-    if do_test and args.eval_iters:
-        test = evaluate(forward_step_func, test_iter, model, args.eval_iters)
-        log.validation(iteration, test, label="test")
-        history["test"] = test
+    with parameters_synced(model):
+        if args.save and (not args.save_interval or iteration % args.save_interval):
+            checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
+        if do_test and args.eval_iters:
+            test = evaluate(forward_step_func, test_iter, model, args.eval_iters)
+            log.validation(iteration, test, label="test")
+            history["test"] = test
     log.close()
     history["iteration"] = iteration
     torch.distributed.barrier()

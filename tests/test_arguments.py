@@ -1,0 +1,106 @@
+"""Bad arguments are refused before any rank does work: one ``error:`` line naming the value and the fix,
+from one process, exit status 2 on every rank, no traceback. The table is checked in process against
+``validate_args`` (each concern's message) and on 2-rank launches of scripts/pretrain_gpt.py (what a
+user sees)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from adapter.training.arguments import ArgumentError, parse_args, validate_args
+from tests.distributed import ROOT, free_port
+
+BASE = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
+TINY = ["--model", "qwen2.5-tiny", *BASE]
+# architecture arguments without a named model (the NullTokenizer's vocabulary)
+BARE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+        "--seq-length", "32", "--vocab-size", "256", *BASE]
+
+# (arguments, world size, the message's start)
+REFUSED = [
+    (["--model", "qwen9-huge", *BASE], 2, "--model qwen9-huge: unknown model 'qwen9-huge': known models are"),
+    ([*BARE, "--tensor-model-parallel-size", "0"], 2, "--tensor-model-parallel-size 0: must be positive"),
+    ([*TINY, "--pipeline-model-parallel-size", "-1"], 2, "--pipeline-model-parallel-size -1: must be positive"),
+    ([*TINY, "--micro-batch-size", "0"], 2, "--micro-batch-size 0: must be positive"),
+    ([*TINY, "--hidden-size", "0"], 2, "--hidden-size 0: must be positive"),
+    ([*BARE, "--seq-length", "-32"], 2, "--seq-length -32: must be positive"),
+    ([*TINY, "--lr", "-1"], 2, "--lr -1.0: must be zero or more"),
+    ([*TINY, "--eval-interval", "0"], 2, "--eval-interval 0: must be positive"),
+    ([*TINY, "--vocab-size", "100000"], 2, "the tokenizer has 100001 entries, more than the 512 embedding rows"),
+    ([*TINY, "--global-batch-size", "6"], 2,
+     "global batch 6 is not divisible by micro batch 2 x data-parallel size 2"),
+    ([*TINY, "--tensor-model-parallel-size", "3"], 6, "tensor parallel size 3 does not divide num_attention_heads=4"),
+    ([*TINY, "--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by TP 2"),
+    ([*TINY, "--bf16", "--fp16"], 2, "--bf16 and --fp16 together"),
+    ([*TINY, "--overlap-param-gather"], 2, "--overlap-param-gather needs --use-distributed-optimizer"),
+    ([*TINY, "--data-path", "x"], 2, "give exactly one of --data-path and --mock-data"),
+    (["--model", "qwen2.5-tiny", *BASE[:-1], "--data-path", "/no/such/corpus"], 2,
+     "--data-path /no/such/corpus: /no/such/corpus.bin and /no/such/corpus.idx not found"),
+    ([*TINY, "--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2"], 2,
+     "4 layers over PP 2 cannot be cut into virtual stages of 3 layers"),
+    ([*TINY, "--context-parallel-size", "2"], 2, "--context-parallel-size 2: context parallelism is not supported"),
+    ([*TINY, "--save-interval", "5"], 2, "--save-interval needs --save"),
+    ([*TINY, "--tokenizer-type", "GPTSentencePieceTokenizer"], 2,
+     "--tokenizer-type GPTSentencePieceTokenizer needs --tokenizer-model"),
+]
+
+
+@pytest.mark.parametrize("argv, world, message", REFUSED, ids=[m[:40] for _, _, m in REFUSED])
+def test_each_refusal_names_the_value_and_the_fix(argv, world, message):
+    with pytest.raises(ArgumentError) as refused:
+        validate_args(parse_args(argv), world)
+    assert str(refused.value).startswith(message)
+
+
+def test_num_micro_batches_is_global_over_micro_times_dp():
+    args = validate_args(parse_args([*TINY, "--global-batch-size", "16"]), 4)
+    assert (args.data_parallel_size, args.num_micro_batches) == (4, 2)
+
+
+def test_a_tracker_naming_a_missing_iteration_is_refused_naming_the_newest_complete_one(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
+    complete = tmp_path / "iter_0000010"
+    complete.mkdir()
+    (complete / "metadata.json").write_text("{}")
+    (complete / ".metadata").write_bytes(b"")
+    (tmp_path / "iter_0000015").mkdir()  # a checkpoint whose save never finished
+    with pytest.raises(ArgumentError) as refused:
+        validate_args(parse_args([*TINY, "--load", str(tmp_path)]), 2)
+    assert str(refused.value) == (
+        f"--load {tmp_path}: latest_checkpointed_iteration.txt names {tmp_path / 'iter_0000020'}, which is missing; "
+        "the newest complete checkpoint there is iter_0000010: write 10 into latest_checkpointed_iteration.txt "
+        "to resume from it")
+
+
+def _launch_two_ranks(argv: list[str]) -> tuple[list[int], str]:
+    """scripts/pretrain_gpt.py on 2 ranks with torchrun's environment; (exit statuses, all output)."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "scripts/pretrain_gpt.py", *argv], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    return [p.returncode for p in procs], "".join(outputs)
+
+
+LAUNCHED = [REFUSED[i] for i in (0, 1, 3, 8, 9, 15)] + [
+    ([*TINY, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", "/no/such.model"], 2,
+     "--tokenizer-model '/no/such.model' is not a file"),
+    ([*TINY, "--no-such-flag"], 2, "usage: "),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("argv, world, message", LAUNCHED, ids=[m[:40] for _, _, m in LAUNCHED])
+def test_two_ranks_refuse_with_one_error_line_and_no_traceback(argv, world, message, tmp_path):
+    statuses, output = _launch_two_ranks(argv)
+    assert statuses == [2, 2], output[-3000:]
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1, output[-3000:]
+    assert message in output and "Traceback" not in output, output[-3000:]
