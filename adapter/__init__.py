@@ -11,7 +11,7 @@ from adapter.registry import PatchError, PatchRegistry, PatchTargetError, PatchV
 
 __all__ = ["Backend", "BackendUnavailable", "ParallelConfigError", "PatchError", "PatchRegistry",
            "PatchTargetError", "PatchVersionError", "apply", "check_sizes", "current_backend",
-           "init_distributed", "registry", "revert"]
+           "import_own", "init_distributed", "registry", "revert"]
 
 
 def current_backend() -> Backend:
@@ -25,7 +25,12 @@ revert = registry.revert
 
 current_backend()  # an unusable ADAPTER_BACKEND fails here, at import, not inside megatron
 
-import patches as _patches  # noqa: E402 - the table needs the registry above
+from adapter import quiet_warnings  # noqa: E402
 
-_patches.register_all(registry)
+quiet_warnings.install()  # before the patches import megatron: its import-time fallbacks are answered
+
+from adapter.own_packages import import_own  # noqa: E402 - the table needs the registry above
+
+import_own("patches").register_all(registry)
+import_own("models")  # decided now, while sys.path is the one the user's script started with
 apply()

@@ -30,7 +30,7 @@ import torch
 import adapter
 from adapter import backend as _backend
 from adapter import device as _device
-from adapter import kernels, stand_ins
+from adapter import kernels, own_packages, quiet_warnings, stand_ins
 from adapter.core_source import megatron_lm_checkout
 from adapter.registry import PatchRegistry
 
@@ -66,8 +66,9 @@ def collect(registry: PatchRegistry | None = None) -> dict:
     # of the report's own output: stdout may be JSON.
     with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        data = {**backend_section(), "versions": versions(), **kernel_section(), "patches": patch_rows(registry),
-                "stand_ins": stand_ins.rows()}
+        data = {**backend_section(), "versions": versions(), "packages": own_packages.rows(), **kernel_section(),
+                "patches": patch_rows(registry), "stand_ins": stand_ins.rows(),
+                "quiet_warnings": quiet_warnings.rows()}
     data["problems"] = problems(data)
     return data
 
@@ -288,6 +289,27 @@ def _norm_module_row(provider: ModuleType) -> dict:
                                                     "norm of a block"}
 
 
+def kernel_summary() -> str:
+    """One line saying what runs in place of what megatron would warn about: the backend, each op's
+    implementation and the optimizer. The pretrain flow prints it once, on rank 0."""
+    import megatron.core.optimizer as optimizers
+
+    section = kernel_section()
+    ops = ", ".join(f"{op} {_short(row['implementation'])}" for op, row in section["kernels"].items())
+    adam = f"{optimizers.Adam.__module__}.{optimizers.Adam.__qualname__}"
+    fused = " (fused on CPU, the adapter's)" if adam.startswith("torch.") and _backend.current().name == "cpu" else ""
+    backend = _backend.current()
+    return (f"[adapter] backend {backend.name} ({backend.dist_backend}); kernels from the "
+            f"{section['kernel_provider']['name']} provider: {ops}; optimizer {adam}{fused}")
+
+
+def _short(implementation: str | None) -> str:
+    if implementation is None:
+        return "unavailable"
+    return "megatron's own" if implementation.startswith("megatron's own") else implementation.removeprefix(
+        "adapter.kernels.")
+
+
 # ------------------------------------------------------------------------------------------ patches
 def patch_rows(registry: PatchRegistry) -> list[dict]:
     """One row per registered patch: applied, skipped (and why) or error (and the message), after
@@ -363,6 +385,10 @@ def render(data: dict) -> str:
     lines += ["", "versions"]
     width = max(map(len, data["versions"]))
     lines += [f"  {name:<{width}}  {value}" for name, value in data["versions"].items()]
+    lines += ["", "packages (adapter.own_packages)"]
+    for row in data["packages"]:
+        shadow = f"; `{row['package']}` reaches {row['shadowed by']}" if "shadowed by" in row else ""
+        lines.append(f"  {row['package']:<8} imported as {row['imported as']} from {row['path']}{shadow}")
     provider = data["kernel_provider"]
     lines += ["", f"kernels: provider {provider['name']} ({provider['why']})"]
     for op, row in data["kernels"].items():
@@ -383,6 +409,12 @@ def render(data: dict) -> str:
     for row in data["stand_ins"]:
         lines.append(f"  {row['status']:<8} {row['module']}  [needs {row['requires']}, {row['versions']}]")
         lines.append(f"  {'':<8} {row['reason']}")
+        lines.append(f"  {'':<8} why: {row['why']}")
+    state = ("in force" if all(row["in force"] for row in data["quiet_warnings"])
+             else f"not in force (-W / PYTHONWARNINGS or {quiet_warnings.SHOW_ALL_ENV})")
+    lines += ["", f"warnings answered by the adapter (adapter.quiet_warnings): {state}"]
+    for row in data["quiet_warnings"]:
+        lines.append(f"  {row['action']:<8} {row['category']} from {row['module']}*: {row['message']}")
         lines.append(f"  {'':<8} why: {row['why']}")
     lines.append("")
     if data["problems"]:

@@ -6,8 +6,8 @@ Families map flavor names to plain-data ``ModelConfig``s, torchtitan style; a mo
 
 from __future__ import annotations
 
-from models import gpt, qwen
-from models.config import ModelConfig, ModelConfigError
+from . import gpt, qwen
+from .config import ModelConfig, ModelConfigError
 
 FAMILIES = {"gpt": gpt.FLAVORS, "qwen2.5": qwen.FLAVORS}
 

@@ -215,7 +215,7 @@ def megatron_layout(model) -> list:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import apply_factories
 
-    from models.provider import build_model, transformer_config
+    from .provider import build_model, transformer_config
 
     with torch.device("meta"):
         gpt = build_model(model, transformer_config(

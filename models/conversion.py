@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from models import checkpoint as mcore
-from models import hf as hf_format
-from models.config import ModelConfig, ModelConfigError
-from models.safetensors_io import SafetensorsError, SafetensorsFile, SafetensorsStreamWriter
+from . import checkpoint as mcore
+from . import hf as hf_format
+from .config import ModelConfig, ModelConfigError
+from .safetensors_io import SafetensorsError, SafetensorsFile, SafetensorsStreamWriter
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"

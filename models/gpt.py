@@ -19,7 +19,7 @@ and NeMo's 1.3B configs use, and what is here.
 
 from __future__ import annotations
 
-from models.config import ModelConfig
+from .config import ModelConfig
 
 _TINY = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                     num_query_groups=2, vocab_size=256, max_position_embeddings=32, seq_length=32)

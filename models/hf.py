@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from models.config import ModelConfig, ModelConfigError
+from .config import ModelConfig, ModelConfigError
 
 LAYER_PREFIX = "decoder.layers."
 

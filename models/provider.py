@@ -16,8 +16,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
-import models
-from models.config import ModelConfig, ModelConfigError
+from . import get as named_model
+from .config import ModelConfig, ModelConfigError
 
 _ACTIVATIONS = {"swiglu": (F.silu, True), "gelu": (F.gelu, False)}
 
@@ -50,6 +50,7 @@ def transformer_config(model: ModelConfig, **overrides) -> TransformerConfig:
         # The same full weights on every layout: megatron initialises the master weight on CPU and
         # splits it, so a seed gives one model whatever the TP/PP.
         use_cpu_initialization=True,
+        cuda_graph_scope=[],  # megatron's default, "full", is deprecated and warns in every config
     )
     settings.update(overrides)
     model.check_layout(settings["tensor_model_parallel_size"], settings["pipeline_model_parallel_size"],
@@ -82,7 +83,7 @@ def make_model_provider(model: ModelConfig | str, **config_overrides):
     """``model_provider(pre_process=True, post_process=True, vp_stage=None)`` as Megatron-LM's pretrain
     calls it, for a ModelConfig or a model name; ``config_overrides`` go to the TransformerConfig."""
     if isinstance(model, str):
-        model = models.get(model)
+        model = named_model(model)
 
     def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None):
         return build_model(model, transformer_config(model, **config_overrides), vp_stage=vp_stage,
@@ -108,7 +109,7 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
     --untie-embeddings-and-output-weights) default to False, which cannot be told from "not given": over
     a named model only a switch that is on changes it; without one, they are read as they are."""
     name = getattr(args, "model", None)
-    settings = dict(vars(models.get(name))) if name else {}
+    settings = dict(vars(named_model(name))) if name else {}
     given = {k: v for k, v in vars(args).items() if v is not None}
     settings.update({field: given[arg] for arg, field in _ARG_FIELDS.items() if arg in given})
 

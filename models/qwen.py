@@ -23,7 +23,7 @@ the 72B pretraining recipe (4096), capped by the model's positions.
 
 from __future__ import annotations
 
-from models.config import ModelConfig
+from .config import ModelConfig
 
 HF_ARCHITECTURE = "Qwen2ForCausalLM"
 

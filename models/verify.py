@@ -63,9 +63,9 @@ def _rank_main(args) -> int:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from models.checkpoint import load_model_weights
-    from models.conversion import read_hf_config
-    from models.provider import build_model, transformer_config
+    from .checkpoint import load_model_weights
+    from .conversion import read_hf_config
+    from .provider import build_model, transformer_config
     from pathlib import Path
 
     _, model = read_hf_config(Path(args.hf_dir))
@@ -111,8 +111,8 @@ def main(argv=None) -> int:
     # float32 on CPU, in this command's processes: the comparison is about the weights
     os.environ.setdefault("ADAPTER_BACKEND", "cpu")
 
-    from models.config import ModelConfigError
-    from models.conversion import ConversionError, hf_to_mcore
+    from .config import ModelConfigError
+    from .conversion import ConversionError, hf_to_mcore
 
     if "WORLD_SIZE" in os.environ:  # a rank started below
         return _rank_main(args)

@@ -4,8 +4,8 @@ change it makes, with the reason for each.
 Each submodule registers one concern; ``adapter.registry.status(target)`` tells what became of a patch.
 """
 
-from patches import (cuda_sites, distrib_optimizer_checkpoint, kernels, megatron_lm, multi_tensor, process_groups,
-                     rng, tensor_methods, torch_optimizers)
+from . import (cuda_sites, distrib_optimizer_checkpoint, kernels, megatron_lm, multi_tensor, process_groups, rng,
+               tensor_methods, torch_optimizers)
 
 CHECKED_MEGATRON_CORE = "==0.16.1"
 

@@ -3,12 +3,14 @@ they are, killed at a step of a save, failing in one, or inspected after trainin
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
 from pathlib import Path
 
 import adapter  # noqa: F401 - before megatron
+import psutil
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -69,9 +71,13 @@ def _after(owner, attribute: str, matches, when: str | None, pid_dir: str) -> No
 
 
 def _kill_every_rank(pid_dir: str) -> None:
-    pids = [int(p.read_text()) for p in Path(pid_dir).iterdir()]
-    for pid in sorted(pids, key=lambda pid: pid == os.getpid()):  # this process last
-        os.kill(pid, signal.SIGKILL)
+    """SIGKILL every rank, this one last, and the processes they started (megatron's checkpoint writer
+    manager), which would otherwise outlive the test."""
+    ranks = [psutil.Process(int(p.read_text())) for p in Path(pid_dir).iterdir()]
+    children = [child for rank in ranks for child in rank.children(recursive=True)]
+    for process in children + sorted(ranks, key=lambda rank: rank.pid == os.getpid()):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGKILL)
 
 
 def _failures(iteration: int) -> dict:

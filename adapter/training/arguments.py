@@ -14,6 +14,8 @@ import os
 import sys
 from typing import NoReturn
 
+from adapter.own_packages import import_own
+
 
 class ArgumentError(ValueError):
     """Arguments that cannot run together: says which and what to change."""
@@ -291,12 +293,9 @@ def _set_model_config(args: argparse.Namespace, tokenizer_vocab: int) -> None:
         args.padded_vocab_size = named.vocab_size
     else:
         args.padded_vocab_size = -(-tokenizer_vocab // _vocab_multiple(args)) * _vocab_multiple(args)
-    from models.config import ModelConfigError
-    from models.provider import config_from_args
-
     try:
-        args.model_config = config_from_args(args)
-    except ModelConfigError as exc:
+        args.model_config = import_own("models.provider").config_from_args(args)
+    except _models().ModelConfigError as exc:
         raise ArgumentError(str(exc)) from exc
     args.seq_length = args.model_config.seq_length
 
@@ -327,12 +326,10 @@ def _check_virtual_pipeline(args: argparse.Namespace) -> None:
 
 
 def _check_layout(args: argparse.Namespace) -> None:
-    from models.config import ModelConfigError
-
     try:
         args.model_config.check_layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                        args.virtual_pipeline_model_parallel_size)
-    except ModelConfigError as exc:
+    except _models().ModelConfigError as exc:
         raise ArgumentError(str(exc)) from exc
 
 
@@ -394,11 +391,10 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
     if args.save_interval is not None:
         _require(args.save is not None, "--save-interval needs --save (the directory)")
     if args.load:
-        from models.checkpoint import CheckpointError, checkpoint_to_load
-
+        checkpoints = import_own("models.checkpoint")
         try:
-            checkpoint_to_load(args.load, recoverable=_same_dir(args.load, args.save))
-        except CheckpointError as exc:
+            checkpoints.checkpoint_to_load(args.load, recoverable=_same_dir(args.load, args.save))
+        except checkpoints.CheckpointError as exc:
             raise ArgumentError(f"--load {args.load}: {exc}") from exc
 
 
@@ -407,9 +403,7 @@ def _same_dir(a: str | None, b: str | None) -> bool:
 
 
 def _models():
-    import models
-
-    return models
+    return import_own("models")
 
 
 def _backend_name() -> str:

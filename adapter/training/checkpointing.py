@@ -24,9 +24,10 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from adapter import device
+from adapter.own_packages import import_own
 from adapter.training.shared_outcome import shared_outcome
-from models import checkpoint as mcore_checkpoint
 
+mcore_checkpoint = import_own("models.checkpoint")
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -80,9 +81,8 @@ def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, con
     """Write ``<save>/iter_<iteration>`` on every rank, then publish it; returns its path. Any rank's
     failure stops every rank with that error (``shared_outcome``), leaving the published checkpoints as
     they were."""
-    partial = mcore_checkpoint.aside(Path(args.save) / mcore_checkpoint.checkpoint_name(iteration),
-                                     mcore_checkpoint.PARTIAL)
-    rank = torch.distributed.get_rank()
+    final = Path(args.save) / mcore_checkpoint.checkpoint_name(iteration)
+    partial, rank = mcore_checkpoint.aside(final, mcore_checkpoint.PARTIAL), torch.distributed.get_rank()
     with shared_outcome(f"saving iteration {iteration} to {args.save}", _timeout(args)):
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
@@ -93,7 +93,7 @@ def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, con
         dist_checkpointing.save(state, str(partial))  # ends once every rank's files are written
         if rank == 0:
             mcore_checkpoint.publish(partial, iteration)
-    return Path(args.save) / mcore_checkpoint.checkpoint_name(iteration)
+    return final
 
 
 def recover_interrupted_save(args) -> None:

@@ -72,7 +72,10 @@ import os
 import sys
 import warnings
 
-from models.config import ModelConfig, ModelConfigError
+from adapter.own_packages import import_own
+
+_model_config = import_own("models.config")
+ModelConfig, ModelConfigError = _model_config.ModelConfig, _model_config.ModelConfigError
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -347,7 +350,7 @@ def plan_from_args(argv: list[str]) -> tuple[MemoryPlan, str]:
         args.position_embedding_type = "rope"
     with warnings.catch_warnings():  # megatron's import warns about apex and TE, which a plan does not use
         warnings.simplefilter("ignore")
-        from models.provider import config_from_args
+        config_from_args = import_own("models.provider").config_from_args
     model = config_from_args(args)
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     world = _world_size(args)

@@ -52,6 +52,10 @@ def initialize(extra_args_provider=None, args_defaults: dict | None = None, argv
     global_vars.set_tokenizer(tokenizer)
 
     adapter.init_distributed(timeout=args.distributed_timeout_minutes)
+    if torch.distributed.get_rank() == 0:  # what runs in place of megatron's silenced fallback warnings
+        from adapter.report import kernel_summary
+
+        print(kernel_summary(), flush=True)
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size, context_parallel_size=args.context_parallel_size,
