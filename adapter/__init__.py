@@ -7,16 +7,36 @@ registers the patch table in ``patches/`` and applies each patch when its megatr
 from adapter import backend as _backend
 from adapter.backend import Backend, BackendUnavailable
 from adapter.parallel import ParallelConfigError, check_sizes, init_distributed
+from adapter.torch_view import cuda_calls
 from adapter.registry import PatchError, PatchRegistry, PatchTargetError, PatchVersionError
 
 __all__ = ["Backend", "BackendUnavailable", "ParallelConfigError", "PatchError", "PatchRegistry",
-           "PatchTargetError", "PatchVersionError", "apply", "check_sizes", "current_backend",
-           "import_own", "init_distributed", "registry", "revert"]
+           "PatchTargetError", "PatchVersionError", "apply", "check_sizes", "cuda_calls", "current_backend",
+           "import_own", "init_distributed", "registry", "revert", "route_cuda", "unroute_cuda"]
 
 
 def current_backend() -> Backend:
     """The backend of this process (cpu, cuda or npu)."""
     return _backend.current()
+
+
+def route_cuda(*packages: str) -> None:
+    """Give your own packages the routing megatron gets: in every module of each package, imported before
+    or after this call, ``torch.cuda.*``, ``device="cuda"``, ``.cuda()`` / ``.to("cuda")`` / ``.is_cuda``
+    in its functions, and ``backend="nccl"`` answer for this backend's device (cpu, npu); nothing outside
+    those modules changes, ``torch.cuda`` included. A no-op on cuda. See README "Your own CUDA code"."""
+    from adapter import cuda_scope
+
+    for package in packages:
+        cuda_scope.route(package, who="user")
+
+
+def unroute_cuda(*packages: str) -> None:
+    """Undo ``route_cuda`` for these packages."""
+    from adapter import cuda_scope
+
+    for package in packages:
+        cuda_scope.unroute(package, who="user")
 
 
 registry = PatchRegistry(backend=lambda: _backend.current().name)

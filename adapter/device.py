@@ -1,10 +1,10 @@
 """The one place that knows the device: device-neutral calls for cpu, cuda and npu.
 
-The adapter's own code calls these, and megatron modules reach them too: in each megatron module on the
-training path, the name ``torch`` is rebound to a view of torch whose ``cuda`` attribute is this module
-(see ``adapter.torch_view``). So ``torch.cuda.current_device()`` written in megatron lands here, and from
-here on torch.cuda, torch.npu or the CPU, while ``torch.cuda`` itself stays untouched for every other
-library in the process.
+The adapter's own code calls these, and megatron modules reach them too: every megatron module (and every
+module of a package given to ``adapter.route_cuda``) imports, as ``torch``, a view of torch whose ``cuda``
+attribute is this module (``adapter.cuda_scope``, ``adapter.torch_view``). So
+``torch.cuda.current_device()`` written in megatron lands here, and from here on torch.cuda, torch.npu or
+the CPU, while ``torch.cuda`` itself stays untouched for every other library in the process.
 
 CPU semantics, chosen so megatron's device code runs unchanged on CPU:
 - ``current_device()`` is ``torch.device("cpu")``: factories and ``.to()`` accept it where megatron passes
@@ -189,20 +189,77 @@ def device(index):
     return accel.device(index) if accel else contextlib.nullcontext()
 
 
+# ---------------------------------------------------------------- names megatron reads at import or rarely
+def _lazy_call(callable_, **_kwargs) -> None:
+    """torch.cuda._lazy_call defers work until CUDA initialises; off CUDA there is nothing to wait for."""
+    accel = _accel()
+    if accel is not None and hasattr(accel, "_lazy_call"):
+        accel._lazy_call(callable_)
+    else:
+        callable_()
+
+
+def _lazy_init() -> None:
+    """torch.cuda._lazy_init initialises CUDA; the backend's device module initialises itself."""
+    accel = _accel()
+    if accel is not None and hasattr(accel, "_lazy_init"):
+        accel._lazy_init()
+
+
+def get_device_capability(device=None) -> tuple[int, int]:
+    """(major, minor) of an NVIDIA device; (0, 0) where there is none: no behaviour keyed to an NVIDIA
+    architecture applies."""
+    accel = _accel()
+    getter = getattr(accel, "get_device_capability", None) if accel else None
+    capability = getter(device) if getter else None
+    return tuple(capability) if capability else (0, 0)
+
+
+def _telemetry(name: str):
+    def reading(device=None) -> int:
+        accel = _accel()
+        return getattr(accel, name)(device) if accel is not None and hasattr(accel, name) else 0
+    reading.__name__ = name
+    reading.__doc__ = f"torch.cuda.{name}: the backend's reading where it has one, else 0 (none to read)."
+    return reading
+
+
+temperature, power_draw, utilization, clock_rate = map(_telemetry, ("temperature", "power_draw", "utilization",
+                                                                     "clock_rate"))
+
+
 _NO_NVTX = types.SimpleNamespace(range_push=lambda msg: None, range_pop=lambda: None,
                                  range=lambda *a, **k: contextlib.nullcontext(),
                                  mark=lambda msg: None)
 
 
+def _cpu_answer(name: str):
+    """What the cpu backend answers for a torch.cuda name torch.cpu lacks, or None."""
+    if name.endswith("Tensor") and isinstance(getattr(torch, name, None), type):
+        return getattr(torch, name)  # isinstance targets (torch.cuda.FloatTensor -> torch.FloatTensor)
+    if name == "default_generators":
+        return (torch.default_generator,)
+    return None
+
+
 def __getattr__(name: str):
-    """Anything not routed above: take it from the backend's own device module where it exists."""
+    """Anything not routed above: the backend's own device module's, where it has it; torch.cuda's classes
+    as they are (annotations and isinstance targets megatron names at import, never instantiated off
+    CUDA: the features that would are refused where they are configured)."""
     accel = _accel()
     source = accel if accel is not None else torch.cpu
-    if name == "nvtx" and not hasattr(source, "nvtx"):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    if hasattr(source, name):
+        return getattr(source, name)
+    answer = _cpu_answer(name) if accel is None else None
+    if answer is not None:
+        return answer
+    if name == "nvtx":
         return _NO_NVTX  # profiler ranges: nothing to mark without NVTX
-    if name.startswith("__") or not hasattr(source, name):
-        raise AttributeError(
-            f"megatron asked torch.cuda.{name}, which the adapter does not provide on the "
-            f"{_backend.current().name} backend. Please report it with the traceback and the versions of "
-            "torch and megatron-core.")
-    return getattr(source, name)
+    if isinstance(getattr(torch.cuda, name, None), type):
+        return getattr(torch.cuda, name)
+    raise AttributeError(
+        f"megatron asked torch.cuda.{name}, which the adapter does not provide on the "
+        f"{_backend.current().name} backend. Please report it with the traceback and the versions of "
+        "torch and megatron-core.")

@@ -11,6 +11,9 @@ Guarantees, each covered by tests/test_registry.py:
   those taken while patched; not for shared immutables (None, small ints, strings: ``is`` proves nothing);
 - wrappers stack on the replacement (or the original) in registration order, first registered innermost;
 - two replacements of one target, or a target the installed megatron-core lacks, are clear errors.
+
+A ``route`` patch (target ``"package:*"``) changes no attribute: it hands every module of the package,
+imported now or later, to a router (``adapter.cuda_scope``) on apply and takes it back on revert.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class Patch:
     target: str
     new: Any
     reason: str
-    kind: str  # "replace" or "wrap"
+    kind: str  # "replace", "wrap" or "route"
     backends: frozenset
     versions: str
     optional: bool = False
@@ -105,6 +108,7 @@ class PatchRegistry:
         self._skipped: dict[str, str] = {}
         self._errors: dict[str, str] = {}
         self._hooked: set[str] = set()
+        self._routed: dict[str, Patch] = {}
         self._active = False
         self._lock = threading.RLock()
 
@@ -122,9 +126,16 @@ class PatchRegistry:
         """Register ``wrapper(fn) -> fn`` around ``target`` (around its replacement, if there is one)."""
         self._register(Patch(target, wrapper, reason, "wrap", frozenset(backends), versions, optional))
 
+    def route(self, package: str, router, *, reason: str, versions: str,
+              backends: Iterable[str] = ALL_BACKENDS) -> None:
+        """Register ``router`` (``install(package)`` / ``uninstall(package)`` / ``installed(package)``) for
+        every module of ``package``, whichever modules it has: the target is ``"package:*"``."""
+        self._register(Patch(f"{package}:*", router, reason, "route", frozenset(backends), versions))
+
     def _register(self, patch: Patch) -> None:
         module, sep, attrs = patch.target.partition(":")
-        if not sep or not module or not attrs or not all(attrs.split(".")):
+        if not sep or not module or not attrs or not all(attrs.split(".")) or (attrs == "*") != (
+                patch.kind == "route"):
             raise PatchError(
                 f"patch target {patch.target!r} must read 'package.module:Attr[.attr]', "
                 "with a colon where the module path ends")
@@ -161,7 +172,7 @@ class PatchRegistry:
 
     def status(self, target: str) -> str:
         """'applied', 'pending' (module not imported yet), 'not for <backend>', 'skipped: ...' or 'error: ...'."""
-        if target in self._applied:
+        if target in self._applied or target in self._routed:
             return "applied"
         if target in self._errors:
             return "error: " + self._errors[target]
@@ -172,7 +183,7 @@ class PatchRegistry:
         return "pending"
 
     def applied(self, target: str) -> bool:
-        return target in self._applied
+        return target in self._applied or target in self._routed
 
     def checked(self, versions: str) -> bool:
         """Whether a change declared for megatron-core ``versions`` may go in here: the installed
@@ -189,7 +200,10 @@ class PatchRegistry:
         with self._lock:
             self._active = True
             self._strict = strict
-            for module in sorted({p.module for p in self.patches()}):
+            for patch in self.patches():
+                if patch.kind == "route":
+                    self._route(patch)
+            for module in sorted({p.module for p in self.patches() if p.kind != "route"}):
                 self._hook(module)
 
     def revert(self) -> None:
@@ -199,11 +213,32 @@ class PatchRegistry:
             records = [self._applied.pop(target) for target in reversed(list(self._applied))]
             for record in records:
                 self._restore(record)
+            for target, patch in reversed(list(self._routed.items())):
+                patch.new.uninstall(patch.module)
+                del self._routed[target]
             # copies taken while patched (modules imported after apply) go back to the original too
             self._rebind_copies({id(r.patched): (r.patched, r.original, r) for r in records
                                  if r.rebound and _copies_traceable(r.patched)}, record=False)
             self._skipped.clear()
             self._errors.clear()
+
+    def _version_error(self, patch: Patch) -> PatchVersionError:
+        return PatchVersionError(
+            f"patch {patch.target} was checked against megatron-core {patch.versions}, but megatron-core "
+            f"{self._megatron_version()} is installed. Install a checked version (pip install "
+            f"'megatron-core{patch.versions}'), or set {ALLOW_UNTESTED_ENV}=1 to try it anyway.")
+
+    def _route(self, patch: Patch) -> None:
+        if patch.target in self._routed or self._backend() not in patch.backends:
+            return
+        if not self.checked(patch.versions):
+            error = self._version_error(patch)
+            self._errors[patch.target] = str(error)
+            if self._strict:
+                raise error
+            return
+        patch.new.install(patch.module)
+        self._routed[patch.target] = patch
 
     def _hook(self, module: str) -> None:
         if module in self._hooked:
@@ -221,7 +256,7 @@ class PatchRegistry:
             batch: dict[int, Any] = {}
             applied_now: list[_Applied] = []
             for target, stack in self._patches.items():
-                if stack[0].module != module.__name__ or target in self._applied:
+                if stack[0].module != module.__name__ or target in self._applied or stack[0].kind == "route":
                     continue
                 if target in self._skipped or target in self._errors:
                     continue
@@ -254,10 +289,7 @@ class PatchRegistry:
         version = self._megatron_version()
         for patch in stack:
             if not self.checked(patch.versions):
-                raise PatchVersionError(
-                    f"patch {target} was checked against megatron-core {patch.versions}, but megatron-core "
-                    f"{version} is installed. Install a checked version (pip install "
-                    f"'megatron-core{patch.versions}'), or set {ALLOW_UNTESTED_ENV}=1 to try it anyway.")
+                raise self._version_error(patch)
         owner = module
         *path, name = stack[0].attr_path
         for part in path:

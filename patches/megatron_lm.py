@@ -1,7 +1,8 @@
 """Megatron-LM's own training loop (megatron.training, megatron.legacy; tag core_v0.16.1) through the adapter.
 
-What its unchanged pretrain_gpt.py needs beyond the megatron-core patches, each found as a blocker on a
-CPU run (TP2 x PP2 and DP2 with the distributed optimizer, save and resume); most apply on cpu and npu
+Its CUDA spellings are routed with megatron-core's, by the one rule (patches/cuda_routing.py). What its
+unchanged pretrain_gpt.py needs beyond that, each found as a blocker on a CPU run (TP2 x PP2 and DP2 with
+the distributed optimizer, save and resume); most apply on cpu and npu
 only, a few (apex missing, the fp32 optimizer-state load) on every backend. The megatron-core wheel has no
 megatron.training: these targets stay pending until a Megatron-LM checkout is importable (the environment
 report shows them as skipped). ``python -m adapter.run`` is the launcher (README).
@@ -12,31 +13,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import inspect
 import os
 
 import torch
 
-from adapter import backend, stand_ins, torch_view
+from adapter import backend, stand_ins
 
 OFF_CUDA = ("cpu", "npu")
 _T = "megatron.training."
-
-# module -> why its torch.cuda calls and device="cuda" arguments must follow the backend
-ROUTED_WITH_DEVICE_STRINGS = {
-    "initialize": "device_count() decides model-parallel init and the RNG tracker; set_device, empty_cache, "
-                  "JIT warm-up tensors on device='cuda'",
-    "training": "start-up, loss and exit-flag tensors on device='cuda'; DDP streams; current_device(), "
-                "memory stats, empty_cache",
-    "utils": "get_batch_on_this_tp_rank buffers on current_device(); reporting tensors on device='cuda'",
-    "checkpointing": "the iteration all-reduce on device='cuda'; the CUDA RNG state saved and restored",
-}
-
-# function -> why; run under adapter.torch_view.cuda_spelled_tensor_calls (tensor-method CUDA spellings)
-CUDA_SPELLED = {
-    f"{_T}utils:get_batch_on_this_tp_rank": "moves each micro-batch with .cuda(non_blocking=True)",
-    f"{_T}training:get_model": "moves every model chunk with model_module.cuda(torch.cuda.current_device())",
-}
 
 
 def allow_no_cuda_on_cpu(initialize_megatron):
@@ -118,36 +102,6 @@ def rng_untouched_by_data_iterators(build):
     return build_iterators
 
 
-def evaluate_with_tensor_calls(evaluate):
-    """evaluate() makes its loss sums with torch.tensor(...).cuda(): run it under the scoped mode for
-    tensor-method CUDA spellings, paused inside the forward passes it runs (per-layer code)."""
-    namespace = inspect.unwrap(evaluate).__globals__  # megatron.training.training's
-
-    @functools.wraps(evaluate)
-    def run(*args, **kwargs):
-        mode = torch_view.CudaSpelledTensorCalls()
-        get_forward_backward_func = namespace["get_forward_backward_func"]
-
-        def unmoded_forward_backward_func(*f_args, **f_kwargs):
-            forward_backward = get_forward_backward_func(*f_args, **f_kwargs)
-
-            @functools.wraps(forward_backward)
-            def call(*c_args, **c_kwargs):
-                with mode.paused():
-                    return forward_backward(*c_args, **c_kwargs)
-
-            return call
-
-        namespace["get_forward_backward_func"] = unmoded_forward_backward_func  # for this call only
-        try:
-            with mode:
-                return evaluate(*args, **kwargs)
-        finally:
-            namespace["get_forward_backward_func"] = get_forward_backward_func
-
-    return run
-
-
 def no_fused_kernels(args):
     """megatron.legacy.fused_kernels.load runs ``$CUDA_HOME/bin/nvcc -V`` to pick CUDA arch flags; there is
     no CUDA toolkit to ask, and nothing to build, off CUDA."""
@@ -209,14 +163,6 @@ def _refuse_batch_invariant_mode(module) -> None:
 
 
 def register(registry, versions: str) -> None:
-    for module, why in ROUTED_WITH_DEVICE_STRINGS.items():
-        registry.replace(f"{_T}{module}:torch", torch_view.routed_strings(), reason=why, versions=versions,
-                         backends=OFF_CUDA, rebind_copies=False)
-    for target, why in CUDA_SPELLED.items():
-        registry.wrap(target, torch_view.cuda_spelled_tensor_calls, reason=why, versions=versions,
-                      backends=OFF_CUDA)
-    registry.wrap(f"{_T}training:evaluate", evaluate_with_tensor_calls, versions=versions, backends=OFF_CUDA,
-                  reason="evaluate() makes its loss sums with torch.tensor(...).cuda()")
     registry.wrap(f"{_T}initialize:initialize_megatron", allow_no_cuda_on_cpu, versions=versions,
                   backends=("cpu",), reason="asserts torch.cuda.is_available(); the cpu backend has no accelerator")
     registry.wrap(f"{_T}arguments:validate_args", backend_collectives, versions=versions, backends=OFF_CUDA,

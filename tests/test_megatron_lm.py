@@ -174,7 +174,6 @@ torch.utils.rename_privateuse1_backend("npu")
 torch._register_device_module("npu", npu)
 
 import adapter
-from adapter import torch_view
 from megatron.training import arguments, checkpointing, initialize, training, utils
 
 os.environ["WORLD_SIZE"] = "2"
@@ -189,7 +188,7 @@ print("RESULT " + json.dumps({
                if p.target.startswith(("megatron.training", "megatron.legacy"))},
     "device_count": initialize.torch.cuda.device_count(),
     "current_device": training.torch.cuda.current_device(),
-    "views": [m.torch is torch_view.routed_strings() for m in (initialize, training, utils, checkpointing)],
+    "views": [m.torch.cuda is adapter.device for m in (initialize, training, utils, checkpointing)],
     "arch": utils.get_device_arch_version(),
     "dist_backend": args.distributed_backend,
     "gradient_accumulation_fusion": args.gradient_accumulation_fusion,

@@ -498,15 +498,15 @@ REAL_SCRIPT = textwrap.dedent('''
 
     TORCH_CUDA = torch.cuda
     CURRENT_DEVICE = torch.cuda.current_device
-    CLIP = "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32"
-    SCHED_TORCH = "megatron.core.pipeline_parallel.schedules:torch"
+    ROUTE = "megatron:*"  # the rule that routes every megatron module (adapter.cuda_scope)
+    SCALE = "megatron.core.utils:local_multi_tensor_scale"
 
     if sys.argv[1] == "adapter-first":
         import adapter
         import megatron.core.optimizer.optimizer as o
         import megatron.core.pipeline_parallel.schedules as s
         import megatron.core.optimizer.clip_grads as cg
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
+        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as DO
         # patched since import: the originals are what the wrappers wrap
         ORIG_CLIP = cg.clip_grad_by_total_norm_fp32.__wrapped__
         ORIG_INIT = DO.__dict__["__init__"].__wrapped__
@@ -514,7 +514,7 @@ REAL_SCRIPT = textwrap.dedent('''
         import megatron.core.optimizer.optimizer as o
         import megatron.core.pipeline_parallel.schedules as s
         import megatron.core.optimizer.clip_grads as cg
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
+        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as DO
         ORIG_CLIP = cg.clip_grad_by_total_norm_fp32
         ORIG_INIT = DO.__dict__["__init__"]
         assert s.torch is torch and o.clip_grad_by_total_norm_fp32 is ORIG_CLIP
@@ -533,7 +533,7 @@ REAL_SCRIPT = textwrap.dedent('''
             "init_is_original": DO.__dict__["__init__"] is ORIG_INIT,
             "init_wraps_original": getattr(DO.__dict__["__init__"], "__wrapped__", None) is ORIG_INIT,
             "torch_cuda_untouched": torch.cuda is TORCH_CUDA and torch.cuda.current_device is CURRENT_DEVICE,
-            "status": [adapter.registry.status(CLIP), adapter.registry.status(SCHED_TORCH)],
+            "status": [adapter.registry.status(ROUTE), adapter.registry.status(SCALE)],
             "backend": adapter.current_backend().name,
         }
         if not out["sched_torch_is_torch"]:

@@ -1,0 +1,279 @@
+"""Every CUDA spelling in a package's source, each with the reason it is safe off CUDA, or none.
+
+``tests/test_cuda_inventory.py`` runs this over the installed megatron-core (and megatron.training when a
+Megatron-LM checkout is importable) and fails naming file:line for each site without a verdict, so a new
+megatron release shows exactly what it added. It reads source text only (``ast``), imports nothing of
+megatron, and takes a few seconds.
+
+A site is one spelling: ``torch.cuda.X``, ``from torch.cuda import X``, a ``"cuda"`` / ``"cuda:N"`` /
+``"nccl"`` string, a ``'torch.cuda.*Tensor'`` type name, ``.cuda()``, ``.is_cuda``. Its verdict comes from
+the rules by which ``adapter.cuda_scope`` routes every module of megatron, checked against what the device
+layer and the views really answer, then from the reasoned tables in ``adapter.cuda_sites_table``:
+
+- ``routed: device layer``: ``torch.cuda.X`` (any import form) where ``adapter.device`` defines ``X``;
+- ``routed: strings view``: a device string given to a call the strings view routes (tensor factories'
+  ``device=``, ``torch.device``, ``autocast``/``amp`` device types, ``backend=`` of group constructors);
+- ``routed: tensor calls``: a tensor-method spelling, or a ``device=`` string, inside a function the rule
+  wraps (``cuda_scope.spells_tensor_calls`` of the same function, decided here from the source);
+- ``refused: <flag>``: code of a feature refused off CUDA when configured (``patches/cuda_only.py``);
+- ``patched: <target>``: code a registry patch replaces;
+- ``as written: <reason>``: right off CUDA as it stands (a device-type test that answers False, a default
+  the caller overrides, ...).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import torch
+
+from adapter import cuda_sites_table as table
+from adapter import device, torch_view
+
+_CUDA_TYPE_NAME = re.compile(r"torch\.cuda\.[A-Za-z0-9]*Tensor$")
+_GROUP_CONSTRUCTORS = frozenset(torch_view._GROUP_CONSTRUCTORS)
+_DEVICE_TAKERS = frozenset(torch_view._FACTORIES) | {"device"}
+_DEVICE_TYPE_TAKERS = frozenset({"autocast", "custom_fwd", "custom_bwd"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    path: str  # relative to the scanned root's parent, e.g. megatron/core/utils.py
+    line: int
+    spelling: str
+    function: str  # qualified name of the enclosing function, or "<module>"
+    verdict: str  # "" when nothing accounts for it
+
+    def __str__(self):
+        return f"{self.path}:{self.line}: {self.spelling} in {self.function}: {self.verdict or 'UNACCOUNTED'}"
+
+
+def _is_device_string(value) -> bool:
+    return isinstance(value, str) and (value == "cuda" or value.startswith("cuda:") or value == "nccl")
+
+
+def _dotted(node) -> str:
+    """``a.b.c`` for an attribute chain on a name, else ''."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return ""
+
+
+def _answered(path: list[str]) -> bool:
+    """Whether the device layer answers ``torch.cuda.<path>`` with something of its own (a torch.cuda
+    class passed through for isinstance checks does not count: constructing it off CUDA would fail)."""
+    ours, theirs = device, torch.cuda
+    for name in path:
+        try:
+            ours = getattr(ours, name)
+        except AttributeError:
+            return False
+        theirs = getattr(theirs, name, None)
+    return ours is not theirs
+
+
+class _Scanner(ast.NodeVisitor):
+    """Collects the sites of one module, with the enclosing function and the node's parents."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.stack: list[str] = []
+        self.functions: list[ast.AST] = []
+        self.parents: list[ast.AST] = []
+        self.sites: list[tuple] = []  # (line, spelling, function qualname, function node, context)
+
+    def _add(self, node, spelling: str, context: str) -> None:
+        qualname = ".".join(self.stack) or "<module>"
+        function = self.functions[-1] if self.functions else None
+        self.sites.append((node.lineno, spelling, qualname, function, context))
+
+    def generic_visit(self, node):
+        self.parents.append(node)
+        super().generic_visit(node)
+        self.parents.pop()
+
+    def _scoped(self, node, is_function: bool):
+        self.stack.append(node.name)
+        if is_function:
+            self.functions.append(node)
+        self.generic_visit(node)
+        if is_function:
+            self.functions.pop()
+        self.stack.pop()
+
+    def visit_FunctionDef(self, node):
+        self._scoped(node, True)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_ClassDef(self, node):
+        self._scoped(node, False)
+
+    def visit_Import(self, node):
+        for alias in node.names:
+            if alias.name.startswith("torch.cuda"):
+                self._add(node, f"import {alias.name}", "import")
+
+    def visit_ImportFrom(self, node):
+        if node.level == 0 and node.module and node.module.startswith("torch.cuda"):
+            for alias in node.names:
+                self._add(node, f"from {node.module} import {alias.name}", "import")
+        elif node.level == 0 and node.module == "torch" and any(a.name == "cuda" for a in node.names):
+            self._add(node, "from torch import cuda", "import")
+
+    def visit_Attribute(self, node):
+        dotted = _dotted(node)
+        parent = self.parents[-1] if self.parents else None
+        if dotted.startswith("torch.cuda") and not (
+                isinstance(parent, ast.Attribute) and _dotted(parent).startswith("torch.cuda")):
+            self._add(node, dotted, "torch.cuda")
+        elif node.attr == "is_cuda":
+            self._add(node, ".is_cuda", "tensor")
+        elif node.attr == "cuda" and dotted != "torch.cuda" and isinstance(parent, ast.Call) and parent.func is node:
+            self._add(node, ".cuda()", "tensor")
+        self.generic_visit(node)
+
+    def visit_Constant(self, node):
+        if _is_device_string(node.value):
+            self._add(node, repr(node.value), self._string_context(node))
+        elif isinstance(node.value, str) and _CUDA_TYPE_NAME.match(node.value):
+            self._add(node, repr(node.value), "tensor")
+
+    def _string_context(self, node) -> str:
+        """How a device string is used: 'device', 'device_type', 'backend' (given to a call the strings
+        view routes), 'to' (``.to("cuda")``), 'device-kw' (``device=`` of any other call), or 'other'."""
+        parent = self.parents[-1] if self.parents else None
+        keyword = None
+        if isinstance(parent, ast.keyword):
+            keyword, parent = parent.arg, self.parents[-2]
+        if isinstance(parent, ast.Compare):
+            return "compare"
+        if not isinstance(parent, ast.Call):
+            return "other"
+        func = parent.func
+        if getattr(func, "id", "") == "partial" and parent.args:  # partial(torch.amp.custom_fwd, device_type=...)
+            func = parent.args[0]
+        callee = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        on_torch = _dotted(func).startswith("torch.")
+        positional = keyword is None and parent.args and parent.args[0] is node
+        if keyword == "device" and _dotted(func).startswith("torch.cuda."):
+            return "device-layer"
+        if on_torch and callee in _DEVICE_TAKERS and (keyword == "device" or (callee == "device" and positional)):
+            return "device"
+        if callee in _DEVICE_TYPE_TAKERS and on_torch and (keyword == "device_type" or positional):
+            return "device_type"
+        if callee in _GROUP_CONSTRUCTORS and keyword == "backend" and node.value == "nccl":
+            return "backend"
+        if callee == "to" and (keyword == "device" or positional):
+            return "to"
+        if keyword == "device":
+            return "device-kw"
+        return "other"
+
+
+def _tensor_calls_in(function: ast.AST | None) -> bool:
+    """The source form of ``cuda_scope.spells_tensor_calls``: whether the rule wraps this function (its
+    outermost enclosing function, which is what a module defines)."""
+    if function is None:
+        return False
+    for node in ast.walk(function):
+        if isinstance(node, ast.Attribute) and node.attr == "is_cuda":
+            return True
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _CUDA_TYPE_NAME.match(node.value):
+            return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            attr, on = node.func.attr, _dotted(node.func.value)
+            if attr == "cuda" and on != "torch":
+                return True
+            if attr == "to" and node.args and isinstance(node.args[0], ast.Constant) and (
+                    _is_device_string(node.args[0].value) and node.args[0].value != "nccl"):
+                return True
+    return False
+
+
+def _verdict(module: str, spelling: str, qualname: str, wrapped: bool, context: str) -> str:
+    for rule in (table.refused_feature, table.patched):
+        verdict = rule(module, qualname)
+        if verdict:
+            return verdict
+    if context == "import":
+        names = spelling.split()[1].split(".")[2:] + ([] if spelling.startswith("import") else
+                                                     [spelling.rpartition(" import ")[2]])
+        if names in ([], ["cuda"]) or _answered(names):
+            return "routed: device layer"
+    if context == "torch.cuda" and _answered(spelling.split(".")[2:]):
+        return "routed: device layer"
+    if context == "device-layer":
+        return "routed: device layer"  # device= of a torch.cuda call: the device layer routes it
+    if context == "tensor" and wrapped:
+        return "routed: tensor calls"
+    if context in ("device", "device_type", "backend"):
+        return "routed: strings view"
+    if context in ("to", "device-kw") and wrapped:
+        return "routed: tensor calls"
+    return table.as_written(module, qualname, spelling)
+
+
+def _outermost_functions(tree: ast.AST) -> dict:
+    """id(function node) -> the function a module or class body defines that contains it: the unit the
+    rule wraps (a nested function runs inside its wrapped definer)."""
+    owners = {}
+
+    def visit(node, owner):
+        for child in ast.iter_child_nodes(node):
+            is_function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            inner = owner if owner is not None else (child if is_function else None)
+            if is_function:
+                owners[id(child)] = inner
+            visit(child, inner)
+
+    visit(tree, None)
+    return owners
+
+
+def _generator(function: ast.AST) -> bool:
+    """The rule does not wrap generators (a mode entered there would stay on while suspended)."""
+    pending = list(ast.iter_child_nodes(function))
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            pending.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def scan_module(source: str, path: str, module: str) -> list[Site]:
+    tree = ast.parse(source, path)
+    scanner = _Scanner(path)
+    scanner.visit(tree)
+    owners = _outermost_functions(tree)
+    wraps = {}
+    sites = []
+    for line, spelling, qualname, function, context in scanner.sites:
+        outer = owners.get(id(function)) if function is not None else None
+        if outer is not None and id(outer) not in wraps:
+            wraps[id(outer)] = _tensor_calls_in(outer) and not _generator(outer)
+        wrapped = outer is not None and wraps[id(outer)]
+        sites.append(Site(path, line, spelling, qualname, _verdict(module, spelling, qualname, wrapped, context)))
+    return sites
+
+
+def scan(package_dir: Path) -> list[Site]:
+    """Every site in the package at ``package_dir`` (e.g. .../site-packages/megatron/core)."""
+    package_dir = Path(package_dir)
+    root = package_dir.parent.parent if package_dir.parent.name == "megatron" else package_dir.parent
+    sites = []
+    for file in sorted(package_dir.rglob("*.py")):
+        relative = file.relative_to(root)
+        module = ".".join(relative.with_suffix("").parts).removesuffix(".__init__")
+        sites.extend(scan_module(file.read_text(encoding="utf-8"), relative.as_posix(), module))
+    return sites

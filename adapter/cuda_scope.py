@@ -1,0 +1,419 @@
+"""CUDA spellings routed to this backend's device, for whole packages, by rule.
+
+megatron spells CUDA in about 600 places across a hundred modules: ``torch.cuda.*`` calls, import-time
+checks such as ``(torch.FloatTensor, torch.cuda.FloatTensor)``, ``device="cuda"``, ``.cuda()``,
+``.is_cuda``, ``backend="nccl"``. A list of modules to patch is out of date with the next release; so a
+package is routed as a whole (``route("megatron")``, from the registry's one ``route`` patch; a user's
+own packages through ``adapter.route_cuda``), and every module under it, now or in a later release, gets:
+
+1. its ``torch``: a meta-path finder hands each module of a routed package, before its code runs, builtins
+   whose ``__import__`` answers ``import torch`` with a view (``adapter.torch_view``) whose ``torch.cuda``
+   is ``adapter.device``, and ``from torch.cuda import x`` with the device layer's ``x``. So import-time
+   checks are routed too. Modules whose code holds a CUDA device string or ``"nccl"`` get the view that
+   also maps those (``routed_strings``). The code that runs is the module's own, unchanged;
+2. its tensor methods: each function and method defined in the module whose code spells CUDA in a tensor
+   method (``.cuda()``, ``.is_cuda``, a ``'torch.cuda.*Tensor'`` type name, ``.to("cuda")``) is wrapped to
+   run under ``adapter.torch_view.CudaCalls``, which answers those spellings for that module's own calls
+   only. Per-layer code spells none of them in megatron-core 0.16.1 (tests/test_cuda_inventory.py).
+
+Nothing global changes: ``torch.cuda`` is the same object for every other module and library. Modules a
+routed package imported before routing began get the same, after the fact (``route`` rebinds their
+names), except for values their import computed. ``unroute`` puts everything back.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import dis
+import functools
+import importlib.abc
+import inspect
+import re
+import sys
+import threading
+import types
+
+import torch
+
+from adapter import backend, device, torch_view
+
+_CUDA_TYPE_NAME = re.compile(r"torch\.cuda\.[A-Za-z0-9]*Tensor$")
+_ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+_OPTIMIZED = inspect.CO_OPTIMIZED  # set on function code, not on class bodies or modules
+
+
+# ---------------------------------------------------------------------------------------- the rule
+def _is_device_string(value) -> bool:
+    return isinstance(value, str) and (value == "cuda" or value.startswith("cuda:") or value == "nccl")
+
+
+def _nested(code: types.CodeType):
+    return (c for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+@functools.lru_cache(maxsize=4096)
+def spells_device_strings(code: types.CodeType) -> bool:
+    """Whether ``code``, or code nested in it, holds ``"cuda"``, ``"cuda:N"`` or ``"nccl"``: its module
+    gets the view that maps device and backend strings."""
+    return any(map(_is_device_string, code.co_consts)) or any(map(spells_device_strings, _nested(code)))
+
+
+def _names_torch(instruction) -> bool:
+    return instruction is not None and instruction.opname.startswith("LOAD_") and instruction.argval == "torch"
+
+
+def _tensor_method_here(code: types.CodeType) -> bool:
+    """``.cuda(...)`` on anything but the name torch, or ``.to("cuda...")``, in ``code``'s own instructions."""
+    instructions = list(dis.get_instructions(code))
+    for i, instruction in enumerate(instructions):
+        if instruction.opname not in _ATTRIBUTE_LOADS:
+            continue
+        after = instructions[i + 1] if i + 1 < len(instructions) else None
+        if instruction.argval == "cuda" and not _names_torch(instructions[i - 1] if i else None) and (
+                after is None or after.opname not in _ATTRIBUTE_LOADS):
+            return True
+        if instruction.argval == "to" and after is not None and after.opname == "LOAD_CONST" and (
+                _is_device_string(after.argval) and after.argval != "nccl"):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=4096)
+def spells_tensor_calls(code: types.CodeType) -> bool:
+    """Whether ``code``, or code nested in it, spells CUDA in a tensor method: ``.cuda()``, ``.is_cuda``, a
+    ``'torch.cuda.*Tensor'`` type name (compared with ``t.type()``), ``.to("cuda")``."""
+    names = code.co_names
+    return ("is_cuda" in names
+            or any(isinstance(c, str) and _CUDA_TYPE_NAME.match(c) for c in code.co_consts)
+            or (("cuda" in names or "to" in names) and _tensor_method_here(code))
+            or any(map(spells_tensor_calls, _nested(code))))
+
+
+# ---------------------------------------------------------------------------------------- scopes
+class _Scopes:
+    """The routed packages: name -> who asked (the registry's patch, or a user)."""
+
+    def __init__(self):
+        self.packages: dict[str, str] = {}
+        self.tops: frozenset = frozenset()
+
+    def covers(self, module: str) -> bool:
+        top = module.partition(".")[0]
+        return top in self.tops and any(module == p or module.startswith(p + ".") for p in self.packages)
+
+    def set(self, package: str, who: str | None) -> None:
+        if who is None:
+            self.packages.pop(package, None)
+        else:
+            self.packages[package] = who
+        self.tops = frozenset(p.partition(".")[0] for p in self.packages)
+
+
+_SCOPES = _Scopes()
+_LOCK = threading.RLock()
+
+
+@dataclasses.dataclass
+class _Routed:
+    """What routing changed in one module, to put back."""
+
+    module: types.ModuleType
+    had_builtins: bool
+    builtins: object
+    names: dict  # global name -> the value it had (or would have had) without routing
+    wrapped: list  # (owner, attribute, raw value before wrapping)
+
+
+_ROUTED: dict[str, _Routed] = {}
+_TORCH_CUDA_FROM: dict[str, set] = {}  # module -> names it took ``from torch.cuda import``
+_STRINGS: dict[str, bool] = {}  # module -> whether it got the strings view
+
+
+# ---------------------------------------------------------------------------------------- import
+def _view(module: str, code: types.CodeType | None) -> types.ModuleType:
+    if module not in _STRINGS:
+        _STRINGS[module] = code is not None and spells_device_strings(code)
+    return torch_view.routed_strings() if _STRINGS[module] else torch_view.routed()
+
+
+def _routed_import(name, globals=None, locals=None, fromlist=(), level=0):
+    """``__import__`` for routed modules: torch is the view, torch.cuda the device layer (the name of the
+    importing module decides; once routing of its package ends, this is plain ``__import__``)."""
+    module = builtins.__import__(name, globals, locals, fromlist, level)
+    if level or not name.startswith("torch"):
+        return module
+    importer = (globals or {}).get("__name__", "")
+    if not _SCOPES.covers(importer):
+        return module
+    if module is torch:
+        return _view(importer, sys._getframe(1).f_code)
+    if module is torch.cuda:
+        _TORCH_CUDA_FROM.setdefault(importer, set()).update(fromlist or ())
+        return device
+    if name == "torch.distributed" and fromlist and _STRINGS.get(importer):
+        return torch_view.routed_distributed()
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _routed_builtins() -> dict:
+    """The builtins of a routed module: Python's, with ``__import__`` routed. An exact dict, so builtin
+    lookups cost what they always cost."""
+    return {**vars(builtins), "__import__": _routed_import}
+
+
+class _Loader(importlib.abc.Loader):
+    """The module's own loader, running its own code with the routed builtins, then routing its tensor
+    methods. Everything else (sources, resources) is the original loader's."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__dict__["__builtins__"] = _routed_builtins()
+        self.loader.exec_module(module)
+        _record(module, had_builtins=False, original_builtins=builtins.__dict__)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """First on ``sys.meta_path``: the spec of a routed package's module, as the other finders give it,
+    with its loader wrapped."""
+
+    routes_cuda = True  # adapter.core_source puts its finder after this one
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not _SCOPES.covers(fullname):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+_FINDER = _Finder()
+
+
+# ---------------------------------------------------------------------------------------- routing a module
+def _definitions(module: types.ModuleType):
+    """(owner, attribute, raw value) for each function and method ``module`` defines, classes nested in its
+    classes included; names it imported, and aliases, are not its definitions."""
+    yield from _members(module, vars(module), module.__name__, "")
+
+
+def _members(owner, namespace, module_name: str, qualname_prefix: str):
+    for attr, raw in list(namespace.items()):
+        inner = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+        if getattr(inner, "__module__", None) != module_name:
+            continue
+        if isinstance(raw, type):
+            if raw.__qualname__ == qualname_prefix + raw.__name__:
+                yield from _members(raw, vars(raw), module_name, raw.__qualname__ + ".")
+        else:
+            yield owner, attr, raw
+
+
+def _function(raw):
+    """The plain function behind a function, staticmethod or classmethod (decorators unwrapped), or None."""
+    fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    if not callable(fn):
+        return None
+    try:
+        fn = inspect.unwrap(fn)
+    except ValueError:
+        return None
+    return fn if isinstance(getattr(fn, "__code__", None), types.CodeType) else None
+
+
+def _wrap(raw, module_name: str):
+    if isinstance(raw, (staticmethod, classmethod)):
+        return type(raw)(torch_view.routes_tensor_calls(raw.__func__, module_name))
+    return torch_view.routes_tensor_calls(raw, module_name)
+
+
+def _route_tensor_calls(module: types.ModuleType) -> list:
+    """Wrap each function of ``module`` that spells CUDA in tensor methods; returns what was replaced."""
+    wrapped, done = [], {}
+    for owner, name, raw in _definitions(module):
+        fn = _function(raw)
+        if fn is None or getattr(raw, "__adapter_routed__", None) or not spells_tensor_calls(fn.__code__):
+            continue
+        if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn):
+            continue  # a mode entered in a generator would stay on while it is suspended
+        setattr(owner, name, done.setdefault(id(raw), _wrap(raw, module.__name__)))
+        wrapped.append((owner, name, raw))
+    return wrapped
+
+
+def _device_counterparts(module_name: str) -> dict:
+    """id(routed object) -> real object, for what a routed module may hold from torch."""
+    import torch.distributed as dist
+
+    pairs = {id(torch_view.routed()): torch, id(torch_view.routed_strings()): torch, id(device): torch.cuda,
+             id(torch_view.routed_distributed()): dist}
+    for name in _TORCH_CUDA_FROM.get(module_name, ()):
+        routed = getattr(device, name, None)
+        if routed is not None and hasattr(torch.cuda, name):
+            pairs[id(routed)] = getattr(torch.cuda, name)
+    return pairs
+
+
+def _record(module: types.ModuleType, had_builtins: bool, original_builtins) -> None:
+    counterparts = _device_counterparts(module.__name__)
+    names = {k: counterparts[id(v)] for k, v in vars(module).items() if id(v) in counterparts}
+    _ROUTED[module.__name__] = _Routed(module, had_builtins, original_builtins, names,
+                                       _route_tensor_calls(module))
+
+
+def _route_imported(module: types.ModuleType) -> None:
+    """Route a module imported before its package was: rebind its torch, torch.cuda and torch.cuda names (and
+    torch.distributed, where it spells ``"nccl"``)."""
+    namespace = vars(module)
+    codes = [fn.__code__ for _, _, raw in _definitions(module) if (fn := _function(raw)) is not None]
+    _STRINGS[module.__name__] = any(map(spells_device_strings, codes))
+    view = _view(module.__name__, None)
+    cuda_names = {id(v): k for k, v in vars(torch.cuda).items() if not isinstance(v, (int, str, bool, type(None)))}
+    had_builtins, original_builtins = "__builtins__" in namespace, namespace.get("__builtins__")
+    dist = sys.modules.get("torch.distributed") if _STRINGS[module.__name__] else None
+    for key, value in list(namespace.items()):
+        if value is torch:
+            namespace[key] = view
+        elif dist is not None and value is dist:
+            namespace[key] = torch_view.routed_distributed()
+        elif value is torch.cuda:
+            namespace[key] = device
+        elif id(value) in cuda_names and hasattr(device, cuda_names[id(value)]):
+            _TORCH_CUDA_FROM.setdefault(module.__name__, set()).add(cuda_names[id(value)])
+            namespace[key] = getattr(device, cuda_names[id(value)])
+    namespace["__builtins__"] = _routed_builtins()
+    _record(module, had_builtins, original_builtins)
+
+
+def _module_functions(records) -> list:
+    """(raw, wrapper) for the module-level functions the records wrapped: other modules may hold copies
+    of them (``from .clip_grads import clip_grad_by_total_norm_fp32``)."""
+    return [(raw, getattr(owner, name)) for r in records for owner, name, raw in r.wrapped
+            if isinstance(owner, types.ModuleType)]
+
+
+def _rebind_copies(pairs, package: str) -> None:
+    """In each module of ``package``, rebind names bound by value to an old object to its new one; for
+    ``pairs`` of (old, new)."""
+    batch = {id(old): (old, new) for old, new in pairs}
+    if not batch:
+        return
+    for name, module in list(sys.modules.items()):
+        if not (name == package or name.startswith(package + ".")) or not isinstance(module, types.ModuleType):
+            continue
+        namespace = vars(module)
+        for key, value in list(namespace.items()):
+            hit = batch.get(id(value))
+            if hit is not None and value is hit[0]:
+                namespace[key] = hit[1]
+
+
+def _unroute(record: _Routed) -> None:
+    for owner, name, raw in reversed(record.wrapped):
+        setattr(owner, name, raw)
+    namespace = vars(record.module)
+    namespace.update(record.names)
+    if record.had_builtins:
+        namespace["__builtins__"] = record.builtins
+    else:
+        namespace["__builtins__"] = builtins.__dict__
+
+
+# ---------------------------------------------------------------------------------------- public
+_NEVER_ROUTED = ("torch", "adapter", "builtins", "importlib")
+
+
+def check_package_name(package: str, who: str) -> None:
+    """Refuse what must not be routed, naming it: torch itself and the adapter (whose code is the routing),
+    a name that is not a dotted package name, and megatron for anyone but the adapter (it routes all of
+    megatron already; a user's unroute must not undo that)."""
+    if not isinstance(package, str) or not all(part.isidentifier() for part in package.split(".")):
+        raise ValueError(f"adapter.route_cuda: {package!r} is not a package name; give the dotted import name "
+                         "of your own package, e.g. route_cuda('my_project')")
+    top = package.partition(".")[0]
+    if top in _NEVER_ROUTED or top in sys.stdlib_module_names:
+        raise ValueError(f"adapter.route_cuda: {package!r} cannot be routed: only your own packages can "
+                         "(torch, the standard library and the adapter stay as they are)")
+    if top == "megatron" and who != "adapter":
+        raise ValueError(f"adapter.route_cuda: {package!r} is routed by `import adapter` already; name only "
+                         "your own packages")
+
+
+def route(package: str, who: str = "user") -> None:
+    """Route every module of ``package``, imported now or later (see the module docstring). Nothing on the
+    cuda backend, where CUDA spellings are right as written."""
+    check_package_name(package, who)
+    if backend.current().name == "cuda":
+        return
+    with _LOCK:
+        _SCOPES.set(package, who)
+        if _FINDER in sys.meta_path:
+            sys.meta_path.remove(_FINDER)
+        sys.meta_path.insert(0, _FINDER)
+        routed_now = []
+        for name, module in list(sys.modules.items()):
+            if isinstance(module, types.ModuleType) and name not in _ROUTED and _SCOPES.covers(name):
+                _route_imported(module)
+                routed_now.append(_ROUTED[name])
+        _rebind_copies(_module_functions(routed_now), package)
+
+
+def unroute(package: str, who: str = "user") -> None:
+    """Stop routing ``package``: its modules get back torch, torch.cuda and their own functions."""
+    check_package_name(package, who)
+    with _LOCK:
+        _SCOPES.set(package, None)
+        leaving = [n for n in _ROUTED if not _SCOPES.covers(n) and (n == package or n.startswith(package + "."))]
+        _rebind_copies([(new, old) for old, new in _module_functions(_ROUTED[n] for n in leaving)], package)
+        for name in leaving:
+            _unroute(_ROUTED.pop(name))
+            _STRINGS.pop(name, None)
+            _TORCH_CUDA_FROM.pop(name, None)
+        if not _SCOPES.packages and _FINDER in sys.meta_path:
+            sys.meta_path.remove(_FINDER)
+
+
+def routed_packages() -> dict[str, str]:
+    """Routed package -> who asked for it."""
+    return dict(_SCOPES.packages)
+
+
+def is_routed(module: str) -> bool:
+    return module in _ROUTED
+
+
+def rows() -> list[dict]:
+    """For the report: each routed package, its routed modules and wrapped functions."""
+    return [{"package": package, "by": who,
+             "modules": sum(1 for n in _ROUTED if n == package or n.startswith(package + ".")),
+             "tensor-call functions": sum(len(r.wrapped) for n, r in _ROUTED.items()
+                                          if n == package or n.startswith(package + "."))}
+            for package, who in _SCOPES.packages.items()]
+
+
+class Router:
+    """What the registry's ``route`` patch installs and reverts."""
+
+    def install(self, package: str) -> None:
+        route(package, who="adapter")
+
+    def uninstall(self, package: str) -> None:
+        unroute(package, who="adapter")
+
+    def installed(self, package: str) -> bool:
+        return _SCOPES.packages.get(package) == "adapter"

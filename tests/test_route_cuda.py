@@ -1,0 +1,121 @@
+"""adapter.route_cuda: a user's own CUDA-written package routed like megatron, and nothing else touched.
+
+The package is written here as a user would write it for CUDA; the reference for every answer is what
+torch itself gives on this machine's device (cpu), and its unrouted twin shows that the same code fails
+as written here, so the routing, not the code, makes it work."""
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import adapter
+from adapter import cuda_scope
+
+USER_CODE = textwrap.dedent('''
+    import torch
+    import torch.distributed as dist
+    from torch.cuda import current_device, device_count
+
+    SEEN_AT_IMPORT = torch.cuda.device_count()  # an import-time check, as megatron has
+
+    def place():
+        model = torch.nn.Linear(2, 2).cuda()
+        moved = torch.ones(1).to("cuda")
+        copied = torch.ones(1).cuda()
+        made = torch.zeros(2, device="cuda:0")
+        return {"model": next(model.parameters()).device.type, "to": moved.device.type,
+                "cuda": copied.device.type, "factory": made.device.type, "is_cuda": copied.is_cuda,
+                "device": torch.device("cuda").type, "count": device_count(), "current": current_device(),
+                "type": copied.type(), "rng": torch.cuda.get_rng_state().dtype == torch.uint8}
+
+    def join(store):
+        dist.init_process_group(backend="nccl", store=store, rank=0, world_size=1)
+        try:
+            return dist.get_backend()
+        finally:
+            dist.destroy_process_group()
+''')
+
+
+@pytest.fixture
+def user_packages(tmp_path, monkeypatch):
+    """Two copies of the same CUDA-written package: userpkg (to be routed) and sibling (never)."""
+    for name in ("userpkg", "sibling"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+        (tmp_path / name / "train.py").write_text(USER_CODE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    adapter.unroute_cuda("userpkg")
+    for name in [n for n in sys.modules if n.partition(".")[0] in ("userpkg", "sibling")]:
+        del sys.modules[name]
+
+
+# current_device() is a device off an accelerator: megatron passes it as device=, and an int would
+# name a CUDA device
+EXPECTED = {"model": "cpu", "to": "cpu", "cuda": "cpu", "factory": "cpu", "is_cuda": True, "device": "cpu",
+            "count": 1, "current": torch.device("cpu"), "type": "torch.cuda.FloatTensor", "rng": True}
+
+
+def _cuda_fails_here(call):
+    with pytest.raises((AssertionError, RuntimeError), match="(?i)cuda"):
+        call()
+
+
+@pytest.mark.parametrize("order", ["route-then-import", "import-then-route"])
+def test_a_routed_package_runs_its_cuda_spellings_on_this_device(user_packages, order):
+    if order == "import-then-route":
+        train = importlib.import_module("userpkg.train")
+        adapter.route_cuda("userpkg")
+    else:
+        adapter.route_cuda("userpkg")
+        train = importlib.import_module("userpkg.train")
+    assert train.place() == EXPECTED
+    assert train.join(dist.HashStore()) == "gloo"
+    assert cuda_scope.routed_packages()["userpkg"] == "user"
+    if order == "route-then-import":
+        assert train.SEEN_AT_IMPORT == 1  # the import-time check saw the device layer (torch.cuda says 0)
+
+
+def test_nothing_outside_the_named_package_changes(user_packages):
+    real_cuda, real_zeros = torch.cuda, torch.zeros
+    adapter.route_cuda("userpkg")
+    importlib.import_module("userpkg.train")
+    sibling = importlib.import_module("sibling.train")
+    assert sibling.torch is torch and sibling.current_device is torch.cuda.current_device
+    assert torch.cuda is real_cuda and torch.zeros is real_zeros and sys.modules["torch.cuda"] is real_cuda
+    _cuda_fails_here(sibling.place)  # the same code, unrouted, fails here as written
+    _cuda_fails_here(lambda: torch.ones(1).cuda())  # and so does this test's own .cuda()
+
+
+def test_unroute_gives_the_package_back_its_torch(user_packages):
+    adapter.route_cuda("userpkg")
+    train = importlib.import_module("userpkg.train")
+    adapter.unroute_cuda("userpkg")
+    assert train.torch is torch and train.current_device is torch.cuda.current_device
+    assert "userpkg" not in cuda_scope.routed_packages()
+    _cuda_fails_here(train.place)
+
+
+def test_cuda_calls_routes_a_scripts_own_block():
+    model = torch.nn.Linear(2, 2)
+    with adapter.cuda_calls():
+        model.cuda()
+        moved = torch.ones(1).to("cuda")
+        assert moved.is_cuda
+    assert next(model.parameters()).device.type == "cpu" and moved.device.type == "cpu"
+    _cuda_fails_here(lambda: torch.ones(1).cuda())  # outside the block, as written
+
+
+@pytest.mark.parametrize("name, says", [
+    ("torch", "cannot be routed"), ("os.path", "cannot be routed"), ("adapter.device", "cannot be routed"),
+    ("megatron.core", "routed by `import adapter` already"), ("my-project", "not a package name"),
+    ("", "not a package name")])
+def test_what_cannot_be_routed_is_refused_by_name(name, says):
+    with pytest.raises(ValueError, match=f"{name!r}.*{says}" if name else says):
+        adapter.route_cuda(name)
+    assert name not in cuda_scope.routed_packages()
