@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
+from adapter import cuda_only_features, device, torch_view
 from adapter import cuda_sites_table as table
-from adapter import device, torch_view
 
 _CUDA_TYPE_NAME = re.compile(r"torch\.cuda\.[A-Za-z0-9]*Tensor$")
 _GROUP_CONSTRUCTORS = frozenset(torch_view._GROUP_CONSTRUCTORS)
@@ -46,6 +46,7 @@ class Site:
     spelling: str
     function: str  # qualified name of the enclosing function, or "<module>"
     verdict: str  # "" when nothing accounts for it
+    key: str = ""  # the table entry or feature that gave the verdict, if one did
 
     def __str__(self):
         return f"{self.path}:{self.line}: {self.spelling} in {self.function}: {self.verdict or 'UNACCOUNTED'}"
@@ -151,6 +152,8 @@ class _Scanner(ast.NodeVisitor):
         """How a device string is used: 'device', 'device_type', 'backend' (given to a call the strings
         view routes), 'to' (``.to("cuda")``), 'device-kw' (``device=`` of any other call), or 'other'."""
         parent = self.parents[-1] if self.parents else None
+        if isinstance(parent, ast.JoinedStr):  # f"cuda:{rank}": the f-string is what is passed
+            node, parent = parent, self.parents[-2]
         keyword = None
         if isinstance(parent, ast.keyword):
             keyword, parent = parent.arg, self.parents[-2]
@@ -163,7 +166,7 @@ class _Scanner(ast.NodeVisitor):
             func = parent.args[0]
         callee = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
         on_torch = _dotted(func).startswith("torch.")
-        positional = keyword is None and parent.args and parent.args[0] is node
+        positional = keyword is None and bool(parent.args) and parent.args[0] is node
         if keyword == "device" and _dotted(func).startswith("torch.cuda."):
             return "device-layer"
         if on_torch and callee in _DEVICE_TAKERS and (keyword == "device" or (callee == "device" and positional)):
@@ -199,27 +202,49 @@ def _tensor_calls_in(function: ast.AST | None) -> bool:
     return False
 
 
-def _verdict(module: str, spelling: str, qualname: str, wrapped: bool, context: str) -> str:
-    for rule in (table.refused_feature, table.patched):
-        verdict = rule(module, qualname)
-        if verdict:
-            return verdict
+def _replaced_by_patch(module: str, qualname: str, replaced: frozenset) -> str:
+    """The registry target that replaces the function holding this site (or a function enclosing it)."""
+    parts = qualname.split(".")
+    for i in range(len(parts), 0, -1):
+        target = f"{module}:{'.'.join(parts[:i])}"
+        if target in replaced:
+            return target
+    return ""
+
+
+def _routed(spelling: str, wrapped: bool, context: str) -> bool:
+    """Whether the routing rules of adapter.cuda_scope answer this site."""
     if context == "import":
         names = spelling.split()[1].split(".")[2:] + ([] if spelling.startswith("import") else
                                                      [spelling.rpartition(" import ")[2]])
-        if names in ([], ["cuda"]) or _answered(names):
-            return "routed: device layer"
-    if context == "torch.cuda" and _answered(spelling.split(".")[2:]):
-        return "routed: device layer"
-    if context == "device-layer":
-        return "routed: device layer"  # device= of a torch.cuda call: the device layer routes it
-    if context == "tensor" and wrapped:
-        return "routed: tensor calls"
-    if context in ("device", "device_type", "backend"):
-        return "routed: strings view"
-    if context in ("to", "device-kw") and wrapped:
-        return "routed: tensor calls"
-    return table.as_written(module, qualname, spelling)
+        return names in ([], ["cuda"]) or _answered(names)
+    if context == "torch.cuda":
+        return _answered(spelling.split(".")[2:])
+    if context in ("device", "device_type", "backend", "device-layer"):
+        return True
+    return context in ("tensor", "to", "device-kw") and wrapped
+
+
+_RULES = {"import": "device layer", "torch.cuda": "device layer", "device-layer": "device layer",
+          "device": "strings view", "device_type": "strings view", "backend": "strings view"}
+
+
+def _verdict(module: str, spelling: str, qualname: str, wrapped: bool, context: str,
+             replaced: frozenset) -> tuple[str, str]:
+    """(verdict, the table key or feature behind it)."""
+    feature = cuda_only_features.owner(module, qualname, spelling)
+    if feature is not None:
+        return f"refused: {feature.name} ({', '.join(feature.settings) or 'constructing it'})", feature.name
+    target = _replaced_by_patch(module, qualname, replaced)
+    if target:
+        return f"patched: {target}", target
+    key, target = table.patched(module, qualname, spelling)
+    if key:
+        return f"patched: {target}", key
+    if _routed(spelling, wrapped, context):
+        return f"routed: {_RULES.get(context, 'tensor calls')}", ""
+    key, reason = table.as_written(module, qualname, spelling)
+    return (f"as written: {reason}", key) if key else ("", "")
 
 
 def _outermost_functions(tree: ast.AST) -> dict:
@@ -251,7 +276,8 @@ def _generator(function: ast.AST) -> bool:
     return False
 
 
-def scan_module(source: str, path: str, module: str) -> list[Site]:
+def scan_module(source: str, path: str, module: str, replaced: frozenset = frozenset()) -> list[Site]:
+    """The sites of one module's source; ``replaced``: the registry targets that replace a function."""
     tree = ast.parse(source, path)
     scanner = _Scanner(path)
     scanner.visit(tree)
@@ -263,11 +289,43 @@ def scan_module(source: str, path: str, module: str) -> list[Site]:
         if outer is not None and id(outer) not in wraps:
             wraps[id(outer)] = _tensor_calls_in(outer) and not _generator(outer)
         wrapped = outer is not None and wraps[id(outer)]
-        sites.append(Site(path, line, spelling, qualname, _verdict(module, spelling, qualname, wrapped, context)))
+        sites.append(Site(path, line, spelling, qualname,
+                          *_verdict(module, spelling, qualname, wrapped, context, replaced)))
     return sites
 
 
-def scan(package_dir: Path) -> list[Site]:
+def _defined_functions(tree: ast.AST, prefix: str = ""):
+    """(qualname, node) of each function a module or class body defines, classes nested in classes too:
+    the units ``cuda_scope`` considers for wrapping."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + node.name, node
+        elif isinstance(node, ast.ClassDef):
+            yield from _defined_functions(node, f"{prefix}{node.name}.")
+        elif isinstance(node, (ast.If, ast.Try)):  # conditional definitions are still the module's
+            yield from _defined_functions(node, prefix)
+
+
+def wrapped_functions(package_dir: Path) -> set[str]:
+    """``module:Qualname`` of every function the rule wraps to answer tensor-method spellings, decided from
+    the source; tests compare it with what routing really wraps."""
+    package_dir = Path(package_dir)
+    root = package_dir.parent.parent if package_dir.parent.name == "megatron" else package_dir.parent
+    found = set()
+    for file in sorted(package_dir.rglob("*.py")):
+        module = ".".join(file.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        tree = ast.parse(file.read_text(encoding="utf-8"), str(file))
+        found.update(f"{module}:{qualname}" for qualname, node in _defined_functions(tree)
+                     if _tensor_calls_in(node) and not _generator(node))
+    return found
+
+
+def replaced_targets(registry) -> frozenset:
+    """The targets ``registry`` replaces outright on this backend: their original code never runs."""
+    return frozenset(p.target for p in registry.patches() if p.kind == "replace")
+
+
+def scan(package_dir: Path, replaced: frozenset = frozenset()) -> list[Site]:
     """Every site in the package at ``package_dir`` (e.g. .../site-packages/megatron/core)."""
     package_dir = Path(package_dir)
     root = package_dir.parent.parent if package_dir.parent.name == "megatron" else package_dir.parent
@@ -275,5 +333,5 @@ def scan(package_dir: Path) -> list[Site]:
     for file in sorted(package_dir.rglob("*.py")):
         relative = file.relative_to(root)
         module = ".".join(relative.with_suffix("").parts).removesuffix(".__init__")
-        sites.extend(scan_module(file.read_text(encoding="utf-8"), relative.as_posix(), module))
+        sites.extend(scan_module(file.read_text(encoding="utf-8"), relative.as_posix(), module, replaced))
     return sites

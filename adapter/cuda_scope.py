@@ -52,11 +52,21 @@ def _nested(code: types.CodeType):
     return (c for c in code.co_consts if isinstance(c, types.CodeType))
 
 
+def _strings(code: types.CodeType):
+    """The string constants of ``code``, those the compiler folded into tuples and frozensets included
+    (``x in ["cuda", "cpu"]`` compiles to a tuple constant)."""
+    for constant in code.co_consts:
+        if isinstance(constant, str):
+            yield constant
+        elif isinstance(constant, (tuple, frozenset)):
+            yield from (c for c in constant if isinstance(c, str))
+
+
 @functools.lru_cache(maxsize=4096)
 def spells_device_strings(code: types.CodeType) -> bool:
     """Whether ``code``, or code nested in it, holds ``"cuda"``, ``"cuda:N"`` or ``"nccl"``: its module
     gets the view that maps device and backend strings."""
-    return any(map(_is_device_string, code.co_consts)) or any(map(spells_device_strings, _nested(code)))
+    return any(map(_is_device_string, _strings(code))) or any(map(spells_device_strings, _nested(code)))
 
 
 def _names_torch(instruction) -> bool:
@@ -85,7 +95,7 @@ def spells_tensor_calls(code: types.CodeType) -> bool:
     ``'torch.cuda.*Tensor'`` type name (compared with ``t.type()``), ``.to("cuda")``."""
     names = code.co_names
     return ("is_cuda" in names
-            or any(isinstance(c, str) and _CUDA_TYPE_NAME.match(c) for c in code.co_consts)
+            or any(map(_CUDA_TYPE_NAME.match, _strings(code)))
             or (("cuda" in names or "to" in names) and _tensor_method_here(code))
             or any(map(spells_tensor_calls, _nested(code))))
 

@@ -162,8 +162,18 @@ def _device_attr(name: str):
     return getattr(accel if accel else torch.cpu, name)
 
 
-def Stream(*args, **kwargs):  # noqa: N802 - mirrors torch.cuda.Stream
-    return _device_attr("Stream")(**({} if _accel() is None else kwargs))
+def _index(device) -> int | None:
+    """A device argument as the backend's device module takes it: megatron names CUDA ("cuda", "cuda:1")."""
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device).index
+    return device
+
+
+def Stream(device=None, priority: int = 0, **kwargs):  # noqa: N802 - mirrors torch.cuda.Stream
+    accel = _accel()
+    if accel is None:
+        return torch.cpu.Stream()
+    return accel.Stream(device=_index(device), priority=priority, **kwargs)
 
 
 def Event(*args, **kwargs):  # noqa: N802 - mirrors torch.cuda.Event
@@ -224,8 +234,8 @@ def _telemetry(name: str):
     return reading
 
 
-temperature, power_draw, utilization, clock_rate = map(_telemetry, ("temperature", "power_draw", "utilization",
-                                                                     "clock_rate"))
+temperature, power_draw, utilization, clock_rate, device_memory_used = map(
+    _telemetry, ("temperature", "power_draw", "utilization", "clock_rate", "device_memory_used"))
 
 
 _NO_NVTX = types.SimpleNamespace(range_push=lambda msg: None, range_pop=lambda: None,

@@ -35,6 +35,16 @@ def allow_no_cuda_on_cpu(initialize_megatron):
     return initialize
 
 
+def signal_handler_device(local_rank=None):
+    """dist_signal_handler all-gathers the exit-signal flag on cuda for nccl and on cpu for gloo, and leaves
+    the device unset for any other backend (hccl). Here: cpu for gloo groups, else this backend's device."""
+    from adapter import device
+
+    if torch.distributed.get_backend() == "gloo" or not backend.current().is_accelerator:
+        return torch.device("cpu")
+    return device.torch_device(local_rank)
+
+
 def _print_rank_0(args, message: str) -> None:
     if getattr(args, "rank", 0) == 0:
         print(f"[adapter] {message}", flush=True)
@@ -178,6 +188,8 @@ def register(registry, versions: str) -> None:
                      backends=OFF_CUDA, reason="runs $CUDA_HOME/bin/nvcc -V; nothing to build off CUDA")
     registry.wrap("megatron.core.datasets.utils:compile_helpers", compile_helpers_unless_shipped,
                   versions=versions, reason="runs make; the megatron-core wheel ships helpers_cpp and no Makefile")
+    registry.replace(f"{_T}dist_signal_handler:get_device", signal_handler_device, versions=versions,
+                     backends=OFF_CUDA, reason="picks cuda for nccl, cpu for gloo, nothing for hccl")
     registry.replace(f"{_T}utils:get_device_arch_version", no_device_arch, versions=versions,
                      backends=OFF_CUDA, reason="reads the compute capability of cuda:0")
     registry.wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",

@@ -1,0 +1,126 @@
+"""megatron features that need CUDA itself, as data: what configures each, where its CUDA code lives, why
+no other device can run it.
+
+Off CUDA each is refused where it is configured (``patches/cuda_only.py``: the config dataclasses'
+``__post_init__``, Megatron-LM's ``validate_args``, the constructors of the classes that are the feature),
+with one line naming the setting, instead of a "Torch not compiled with CUDA enabled" from deep inside
+megatron. ``adapter.cuda_inventory`` gives the CUDA sites under ``code`` the verdict ``refused``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from adapter import backend
+
+
+class CudaOnlyFeatureError(ValueError):
+    """A feature that needs CUDA was configured on another backend."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    name: str
+    settings: tuple[str, ...]  # config fields / Megatron-LM args that turn it on (truthy, and not "none")
+    code: tuple[str, ...]  # "module" or "module:Qualname" prefixes holding its CUDA sites
+    why: str
+    constructors: tuple[str, ...] = ()  # registry targets (Class.__init__) that are the feature itself
+    values: tuple = ()  # where given: only these values of the setting turn it on
+    unless: tuple[str, ...] = ()  # settings that, when on, make the feature run without CUDA
+
+
+FEATURES = (
+    Feature("CUDA graphs", ("enable_cuda_graph", "external_cuda_graph", "cuda_graph_impl"),
+            ("megatron.core.transformer.cuda_graphs", "megatron.core.full_cuda_graph",
+             "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.__init__",
+             "megatron.training.initialize:_initialize_distributed torch.cuda.set_stream"),
+            "graphs are captured and replayed by the CUDA driver"),
+    Feature("fp8 / fp4 training", ("fp8", "fp4"), (),
+            "the low-precision GEMMs are Transformer Engine's CUDA kernels"),
+    Feature("batch-invariant kernels", ("batch_invariant_mode",),
+            ("megatron.core.transformer.custom_layers.batch_invariant_kernels",),
+            "the kernels are triton programs sized by the GPU's streaming multiprocessors"),
+    Feature("Megatron-FSDP", ("use_megatron_fsdp", "use_custom_fsdp"),
+            ("megatron.core.distributed.fsdp", "megatron.core.transformer.fsdp_dtensor_checkpoint"),
+            "its buffers and RNG handling are written for CUDA devices and CUDA graphs",
+            ("megatron.core.distributed.fsdp.mcore_fsdp_adapter:FullyShardedDataParallel.__init__",)),
+    Feature("torch FSDP2 through megatron", ("use_torch_fsdp2",),
+            ("megatron.core.distributed.torch_fully_sharded_data_parallel",),
+            "megatron builds its device mesh on 'cuda'",
+            ("megatron.core.distributed.torch_fully_sharded_data_parallel:TorchFullyShardedDataParallel.__init__",)),
+    Feature("NCCL user buffers", ("nccl_ub",), ("megatron.core.nccl_allocator",),
+            "buffers are registered with NCCL from CUDA memory pools"),
+    Feature("fine-grained activation offloading", ("fine_grained_activation_offloading",),
+            ("megatron.core.pipeline_parallel.fine_grained_activation_offload:GPUTensorPool",),
+            "activations move between CUDA memory and pinned host memory on CUDA streams"),
+    Feature("symmetric-memory all-reduce", ("symmetric_ar_type",),
+            ("megatron.core.utils:GlobalSymmetricMemoryBuffer",),
+            "torch's symmetric memory needs NVLink-connected CUDA devices"),
+    Feature("inference-optimized layers", ("use_inference_optimized_layers",),
+            ("megatron.core.tensor_parallel.inference_layers",),
+            "they size their collectives by the GPU's multiprocessor count"),
+    Feature("the dynamic inference engine", (),
+            ("megatron.core.inference.contexts.dynamic_context",
+             "megatron.core.inference.contexts.fused_kv_append_kernel",
+             "megatron.core.inference.engines.dynamic_engine",
+             "megatron.core.inference.unified_memory",
+             "megatron.training.training:pretrain torch.cuda.use_mem_pool"),
+            "its KV cache lives in CUDA memory pools and is filled by triton kernels",
+            ("megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext.__init__",
+             "megatron.core.inference.engines.dynamic_engine:DynamicInferenceEngine.__init__")),
+    Feature("NVSHMEM weight refit", ("refit_method",), ("megatron.core.resharding.nvshmem_copy_service",),
+            "NVSHMEM copies between CUDA devices; --refit-method gloo works on every backend",
+            values=("nvshmem",)),
+    Feature("CUDA memory history", ("record_memory_history",),
+            ("megatron.training.training:training_log torch.cuda.memory._snapshot",),
+            "the snapshot is the CUDA caching allocator's"),
+    Feature("nsys profiling", ("profile",),
+            ("megatron.training.training:post_training_step_callbacks torch.cuda.cudart",
+             "megatron.training.training:post_training_step_callbacks torch.cuda.check_error",
+             "megatron.training.training:train torch.cuda.cudart",
+             "megatron.training.training:train torch.cuda.check_error"),
+            "it starts the CUDA profiler; --use-pytorch-profiler works on every backend",
+            unless=("use_pytorch_profiler",)),
+)
+
+
+def configured(feature: Feature, source) -> str | None:
+    """The setting of ``source`` (a config or Megatron-LM's args) that turns ``feature`` on, or None."""
+    if any(getattr(source, setting, None) for setting in feature.unless):
+        return None
+    for setting in feature.settings:
+        value = getattr(source, setting, None)
+        if (value in feature.values) if feature.values else (value and value != "none"):
+            return f"{setting}={value!r}"
+    return None
+
+
+def refusal(feature: Feature, what: str) -> CudaOnlyFeatureError:
+    return CudaOnlyFeatureError(f"{what}: {feature.name} runs only on CUDA ({feature.why}); this process runs "
+                                f"on the {backend.current().name} backend: turn it off to run here, or run on CUDA")
+
+
+def check(source) -> None:
+    """Refuse the first CUDA-only feature ``source`` turns on (off CUDA)."""
+    if backend.current().name == "cuda":
+        return
+    for feature in FEATURES:
+        setting = configured(feature, source)
+        if setting is not None:
+            raise refusal(feature, setting)
+
+
+def owner(module: str, qualname: str, spelling: str) -> Feature | None:
+    """The feature whose code holds this site, or None."""
+    for feature in FEATURES:
+        for code in feature.code:
+            where, _, only = code.partition(" ")
+            prefix, _, qualname_prefix = where.partition(":")
+            if not (module == prefix or module.startswith(prefix + ".")):
+                continue
+            if qualname_prefix and not (qualname == qualname_prefix or qualname.startswith(qualname_prefix + ".")):
+                continue
+            if only and spelling != only:
+                continue
+            return feature
+    return None

@@ -1,0 +1,71 @@
+"""Features that need CUDA itself (adapter/cuda_only_features.py), refused off CUDA where they are configured,
+with one line naming the setting: megatron's config dataclasses as they are built, Megatron-LM's
+validate_args before any rank does work, and the constructors of the classes that are the feature."""
+
+from __future__ import annotations
+
+import functools
+
+from adapter import cuda_only_features
+
+OFF_CUDA = ("cpu", "npu")
+_CONFIGS = ("megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
+            "megatron.core.distributed.distributed_data_parallel_config:DistributedDataParallelConfig.__post_init__")
+_NVSHMEM_REFIT = "megatron.core.resharding.refit:get_or_create_service"
+
+
+def refuse_configured(post_init):
+    """The config is checked before megatron's own checks run, so the refusal is the first thing said."""
+
+    @functools.wraps(post_init)
+    def checked(self, *args, **kwargs):
+        cuda_only_features.check(self)
+        return post_init(self, *args, **kwargs)
+
+    return checked
+
+
+def refuse_configured_args(validate_args):
+    @functools.wraps(validate_args)
+    def validate(args, *rest, **kwargs):
+        cuda_only_features.check(args)
+        return validate_args(args, *rest, **kwargs)
+
+    return validate
+
+
+def _refuse_constructing(feature: cuda_only_features.Feature, target: str):
+    def wrap(init):
+        @functools.wraps(init)
+        def refused(self, *args, **kwargs):
+            raise cuda_only_features.refusal(feature, f"{target.partition(':')[2].rpartition('.')[0]}(...)")
+
+        return refused
+
+    return wrap
+
+
+def refuse_nvshmem_refit(get_or_create_service):
+    feature = next(f for f in cuda_only_features.FEATURES if f.settings == ("refit_method",))
+
+    @functools.wraps(get_or_create_service)
+    def service(backend, *args, **kwargs):
+        if backend in feature.values:
+            raise cuda_only_features.refusal(feature, f"refit backend {backend!r}")
+        return get_or_create_service(backend, *args, **kwargs)
+
+    return service
+
+
+def register(registry, versions: str) -> None:
+    for target in _CONFIGS:
+        registry.wrap(target, refuse_configured, versions=versions, backends=OFF_CUDA,
+                      reason="CUDA-only features (CUDA graphs, fp8, Megatron-FSDP, ...) refused where configured")
+    registry.wrap("megatron.training.arguments:validate_args", refuse_configured_args, versions=versions,
+                  backends=OFF_CUDA, reason="CUDA-only features refused before any rank does work")
+    registry.wrap(_NVSHMEM_REFIT, refuse_nvshmem_refit, versions=versions, backends=OFF_CUDA,
+                  reason="the NVSHMEM copy service copies between CUDA devices")
+    for feature in cuda_only_features.FEATURES:
+        for target in feature.constructors:
+            registry.wrap(target, _refuse_constructing(feature, target), versions=versions, backends=OFF_CUDA,
+                          reason=f"{feature.name} needs CUDA: {feature.why}")

@@ -1,0 +1,174 @@
+"""Every CUDA site of megatron has a verdict, and the source-level model of the routing rule is what
+routing really does.
+
+The inventory (adapter/cuda_inventory.py) reads source text; a site nothing accounts for fails the test
+with its file:line, so a new megatron release shows exactly what it added. The slow test imports every
+megatron.core module with and without the adapter and compares what routing wrapped with what the
+source model says it wraps."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import megatron.core
+import pytest
+
+import adapter
+from adapter import cuda_inventory, cuda_only_features, cuda_sites_table
+from adapter.core_source import megatron_lm_checkout
+
+CORE = Path(megatron.core.__file__).parent
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _scan(package_dir: Path):
+    return cuda_inventory.scan(package_dir, cuda_inventory.replaced_targets(adapter.registry))
+
+
+def _training_dir() -> Path | None:
+    checkout = megatron_lm_checkout()
+    return checkout / "megatron" / "training" if checkout else None
+
+
+@pytest.fixture(scope="module")
+def core_sites():
+    return _scan(CORE)
+
+
+def test_every_cuda_site_of_megatron_core_has_a_verdict(core_sites):
+    assert len(core_sites) > 500  # the scan sees megatron-core's ~600 sites, not an empty tree
+    unaccounted = [str(site) for site in core_sites if not site.verdict]
+    assert not unaccounted, "CUDA sites nothing accounts for:\n" + "\n".join(unaccounted)
+
+
+def test_every_cuda_site_of_megatron_training_has_a_verdict():
+    training = _training_dir()
+    if training is None:
+        pytest.skip("megatron.training needs a Megatron-LM checkout on PYTHONPATH (README: Megatron-LM's own "
+                    "pretrain_gpt.py)")
+    unaccounted = [str(site) for site in _scan(training) if not site.verdict]
+    assert not unaccounted, "CUDA sites nothing accounts for:\n" + "\n".join(unaccounted)
+
+
+def test_each_table_entry_and_feature_still_accounts_for_a_site(core_sites):
+    training = _training_dir()
+    sites = core_sites + (_scan(training) if training else [])
+    used = {site.key for site in sites}
+    entries = [*cuda_sites_table.AS_WRITTEN, *cuda_sites_table.PATCHED,
+               *(f.name for f in cuda_only_features.FEATURES if f.code)]
+    stale = [e for e in entries if e not in used and (training or "megatron.training" not in e)]
+    stale = [e for e in stale if training or not _only_in_training(e)]
+    assert not stale, f"entries that match no site any more (remove them): {stale}"
+
+
+def _only_in_training(name: str) -> bool:
+    feature = next((f for f in cuda_only_features.FEATURES if f.name == name), None)
+    return feature is not None and all(c.startswith("megatron.training") for c in feature.code)
+
+
+def test_patches_named_by_the_table_are_registered():
+    targets = {p.target for p in adapter.registry.patches()}
+    missing = [t for t in cuda_sites_table.PATCHED.values() if t not in targets]
+    assert not missing, f"the inventory relies on patches that are not registered: {missing}"
+
+
+def test_verdicts_of_megatron_sites_known_by_hand(core_sites):
+    """A few sites whose verdict is known from reading megatron: one per rule."""
+    by_place = {(s.path.removeprefix("megatron/core/"), s.function, s.spelling): s.verdict for s in core_sites}
+    assert by_place[("optimizer/clip_grads.py", "clip_grad_by_total_norm_fp32",
+                     "'torch.cuda.FloatTensor'")] == "routed: tensor calls"
+    assert by_place[("transformer/module.py", "<module>", "torch.cuda.FloatTensor")] == "routed: device layer"
+    assert by_place[("transformer/cuda_graphs.py", "_CudaGraphRunner.create_fwd_graph",
+                     "torch.cuda.CUDAGraph")].startswith("refused: CUDA graphs")
+    assert by_place[("tensor_parallel/random.py", "_get_cuda_rng_state", "torch.cuda.default_generators")] == (
+        "patched: megatron.core.tensor_parallel.random:_get_cuda_rng_state")
+
+
+FAKE_MODULE = textwrap.dedent('''
+    import torch
+    from torch.cuda import synchronize, CUDAGraph
+
+    STREAM_AT_IMPORT = torch.cuda.current_stream()
+    ON_IMPORT = torch.ones(1).cuda()
+
+    def set_up(model):
+        model.cuda()
+        return torch.zeros(2, device="cuda"), torch.device(f"cuda:{0}")
+
+    def step(x):
+        torch.cuda.synchronize()
+        return helper(x, device="cuda")
+
+    def capture():
+        return torch.cuda.CUDAGraph()
+
+    def is_on_gpu(x):
+        return x.device.type == "cuda"
+''')
+
+
+def test_a_new_release_shows_exactly_its_new_sites():
+    """A module as a new megatron release might add: each site routed by its rule, the rest named by line."""
+    sites = cuda_inventory.scan_module(FAKE_MODULE, "megatron/core/new_feature.py", "megatron.core.new_feature")
+    verdicts = {(s.line, s.spelling): s.verdict for s in sites}
+    assert verdicts == {
+        (3, "from torch.cuda import synchronize"): "routed: device layer",
+        (3, "from torch.cuda import CUDAGraph"): "",  # a CUDA class, passed through: not answered
+        (5, "torch.cuda.current_stream"): "routed: device layer",
+        (6, ".cuda()"): "",  # module-level tensor call: no function of the rule runs it
+        (9, ".cuda()"): "routed: tensor calls",
+        (10, "'cuda'"): "routed: strings view",
+        (10, "'cuda:'"): "routed: strings view",
+        (13, "torch.cuda.synchronize"): "routed: device layer",
+        (14, "'cuda'"): "",  # device= of megatron's own helper: the string travels unrouted
+        (17, "torch.cuda.CUDAGraph"): "",
+        (20, "'cuda'"): "",  # a device-type test must be reasoned about in the table
+    }
+    assert "megatron/core/new_feature.py:6: .cuda() in <module>: UNACCOUNTED" in [str(s) for s in sites]
+
+
+def test_the_inventory_is_quick(core_sites):
+    """It runs in every .ci/run: reading the source must stay a matter of seconds (measured: ~2 s)."""
+    assert {s.path.partition("/")[0] for s in core_sites} == {"megatron"}
+
+
+PROBE = textwrap.dedent('''
+    import importlib, json, pkgutil, sys, warnings
+    warnings.simplefilter("ignore")
+    if sys.argv[1] == "adapter":
+        import adapter
+    import megatron.core
+    ok, failed = [], {}
+    for info in pkgutil.walk_packages(megatron.core.__path__, "megatron.core."):
+        try:
+            importlib.import_module(info.name)
+            ok.append(info.name)
+        except BaseException as e:  # a module that cannot import here is reported, not fatal
+            failed[info.name] = f"{type(e).__name__}: {str(e)[:200]}"
+    out = {"ok": ok, "failed": failed, "wrapped": []}
+    if sys.argv[1] == "adapter":
+        from adapter import cuda_scope
+        out["wrapped"] = sorted(f"{name}:{(owner.__qualname__ + '.') if isinstance(owner, type) else ''}{attr}"
+                                for name, r in cuda_scope._ROUTED.items() for owner, attr, _ in r.wrapped)
+    print("RESULT " + json.dumps(out))
+''')
+
+
+def _probe(mode: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**__import__("os").environ, "ADAPTER_BACKEND": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+@pytest.mark.slow
+def test_routing_wraps_what_the_source_model_says_and_breaks_no_import():
+    routed, plain = _probe("adapter"), _probe("plain")
+    broken = {m: e for m, e in routed["failed"].items() if m in plain["ok"]}
+    assert not broken, f"modules that import without the adapter but not with it: {broken}"
+    expected = {f for f in cuda_inventory.wrapped_functions(CORE) if f.partition(":")[0] in routed["ok"]}
+    refused = {f for f in expected if cuda_only_features.owner(*f.split(":"), "") is not None}
+    assert set(routed["wrapped"]) - expected == set()
+    assert expected - refused - set(routed["wrapped"]) == set()

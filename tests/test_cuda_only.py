@@ -1,0 +1,74 @@
+"""CUDA-only features are refused off CUDA where they are configured: one line naming the setting, before
+megatron's own code (which would fail deep inside with "Torch not compiled with CUDA enabled")."""
+
+import types
+
+import pytest
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+import adapter  # noqa: F401 - applies the refusals
+from adapter.cuda_only_features import FEATURES, CudaOnlyFeatureError
+from patches.cuda_only import refuse_configured_args, refuse_nvshmem_refit
+
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
+TRANSFORMER = [("enable_cuda_graph", True), ("external_cuda_graph", True), ("cuda_graph_impl", "local"),
+               ("fp8", "hybrid"), ("fp4", "e2m1"), ("batch_invariant_mode", True),
+               ("fine_grained_activation_offloading", True), ("symmetric_ar_type", "two_shot"),
+               ("use_inference_optimized_layers", True)]
+DDP = [("use_megatron_fsdp", True), ("use_custom_fsdp", True), ("nccl_ub", True)]
+ARGS_ONLY = [("use_torch_fsdp2", True), ("refit_method", "nvshmem"), ("record_memory_history", True),
+             ("profile", True)]
+
+
+def _refused(call, setting, value):
+    with pytest.raises(CudaOnlyFeatureError) as refused:
+        call()
+    message = str(refused.value)
+    assert message.startswith(f"{setting}={value!r}: ") and "\n" not in message
+    assert "runs only on CUDA" in message and "cpu backend" in message
+
+
+def test_every_setting_of_the_table_is_tested_here():
+    settings = {s for f in FEATURES for s in f.settings}
+    assert settings == {s for s, _ in TRANSFORMER + DDP + ARGS_ONLY}
+
+
+@pytest.mark.parametrize("setting, value", TRANSFORMER)
+def test_transformer_config_refuses(setting, value):
+    _refused(lambda: TransformerConfig(**TINY, **{setting: value}), setting, value)
+
+
+@pytest.mark.parametrize("setting, value", DDP)
+def test_ddp_config_refuses(setting, value):
+    _refused(lambda: DistributedDataParallelConfig(**{setting: value}), setting, value)
+
+
+@pytest.mark.parametrize("setting, value", TRANSFORMER + DDP + ARGS_ONLY)
+def test_megatron_lm_arguments_are_refused_before_validate_args_runs(setting, value):
+    ran = []
+    validate = refuse_configured_args(ran.append)
+    _refused(lambda: validate(types.SimpleNamespace(**{setting: value})), setting, value)
+    assert ran == []
+
+
+def test_defaults_and_the_ways_that_run_off_cuda_are_not_refused():
+    TransformerConfig(**TINY, cuda_graph_impl="none")
+    DistributedDataParallelConfig(use_distributed_optimizer=True)
+    validate = refuse_configured_args(lambda args: "validated")
+    args = types.SimpleNamespace(profile=True, use_pytorch_profiler=True, refit_method="gloo", fp8=None)
+    assert validate(args) == "validated"
+
+
+def test_the_classes_that_are_the_feature_refuse_construction():
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+
+    with pytest.raises(CudaOnlyFeatureError, match=r"^TorchFullyShardedDataParallel\(\.\.\.\): torch FSDP2"):
+        TorchFullyShardedDataParallel(config=None, ddp_config=None, module=None)
+
+
+def test_nvshmem_refit_is_refused_and_gloo_passes():
+    service = refuse_nvshmem_refit(lambda backend: f"service for {backend}")
+    assert service("gloo") == "service for gloo"
+    with pytest.raises(CudaOnlyFeatureError, match=r"^refit backend 'nvshmem': NVSHMEM weight refit"):
+        service("nvshmem")
