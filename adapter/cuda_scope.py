@@ -9,8 +9,10 @@ own packages through ``adapter.route_cuda``), and every module under it, now or 
 1. its ``torch``: a meta-path finder hands each module of a routed package, before its code runs, builtins
    whose ``__import__`` answers ``import torch`` with a view (``adapter.torch_view``) whose ``torch.cuda``
    is ``adapter.device``, and ``from torch.cuda import x`` with the device layer's ``x``. So import-time
-   checks are routed too. Modules whose code holds a CUDA device string or ``"nccl"`` get the view that
-   also maps those (``routed_strings``). The code that runs is the module's own, unchanged;
+   checks are routed too. Every view maps ``backend="nccl"`` of torch.distributed's group constructors (a
+   module may pass on a backend name it was given); modules whose code holds a CUDA device string or
+   ``"nccl"`` get the view that also maps device strings (``routed_strings``). The code that runs is the
+   module's own, unchanged;
 2. its tensor methods: each function and method defined in the module whose code spells CUDA in a tensor
    method (``.cuda()``, ``.is_cuda``, a ``'torch.cuda.*Tensor'`` type name, ``.to("cuda")``) is wrapped to
    run under ``adapter.torch_view.CudaCalls``, which answers those spellings for that module's own calls
@@ -52,14 +54,14 @@ def _nested(code: types.CodeType):
     return (c for c in code.co_consts if isinstance(c, types.CodeType))
 
 
-def _strings(code: types.CodeType):
+def _strings(code: types.CodeType) -> list:
     """The string constants of ``code``, those the compiler folded into tuples and frozensets included
     (``x in ["cuda", "cpu"]`` compiles to a tuple constant)."""
+    found = [c for c in code.co_consts if type(c) is str]
     for constant in code.co_consts:
-        if isinstance(constant, str):
-            yield constant
-        elif isinstance(constant, (tuple, frozenset)):
-            yield from (c for c in constant if isinstance(c, str))
+        if type(constant) in (tuple, frozenset):
+            found.extend(c for c in constant if type(c) is str)
+    return found
 
 
 @functools.lru_cache(maxsize=4096)
@@ -69,24 +71,92 @@ def spells_device_strings(code: types.CodeType) -> bool:
     return any(map(_is_device_string, _strings(code))) or any(map(spells_device_strings, _nested(code)))
 
 
+# The rule reads a few instructions around each load of the attribute ``cuda`` or ``to``. It runs at import
+# for every megatron function that names either, so on the CPython versions whose encoding is known here
+# (3.11, 3.12) it finds those loads in co_code with bytes.find and decodes only their neighbours; dis's
+# Instruction objects for whole functions cost ~0.3 s per megatron import. Other versions use dis.
+_OP = dis.opmap
+_CACHE = _OP.get("CACHE", 0)
+_FAST_DECODE = sys.version_info[:2] in ((3, 11), (3, 12))
+_ATTR_SHIFT = 0 if sys.version_info[:2] == (3, 11) else 1  # 3.12: LOAD_ATTR's arg is namei << 1 | method
+_ATTRIBUTE_OPS = tuple(_OP[n] for n in ("LOAD_ATTR", "LOAD_METHOD") if n in _OP)
+
+
+def _arg(raw: bytes, offset: int) -> int:
+    arg, shift, p = raw[offset + 1], 8, offset - 2
+    while p >= 0 and raw[p] == dis.EXTENDED_ARG:
+        arg |= raw[p + 1] << shift
+        shift, p = shift + 8, p - 2
+    return arg
+
+
+def _decode(code: types.CodeType, offset: int) -> tuple[str, object]:
+    """(opname, argval) of the instruction at ``offset``; argval only for the loads the rule reads."""
+    op, arg, name = code.co_code[offset], _arg(code.co_code, offset), dis.opname[code.co_code[offset]]
+    if name in ("LOAD_METHOD", "LOAD_NAME") or (name == "LOAD_ATTR" and not _ATTR_SHIFT):
+        return name, code.co_names[arg]
+    if name in ("LOAD_GLOBAL", "LOAD_ATTR"):
+        return name, code.co_names[arg >> 1]
+    if name in ("LOAD_FAST", "LOAD_FAST_CHECK"):
+        return "LOAD_FAST", code.co_varnames[arg] if arg < len(code.co_varnames) else None
+    if op == _OP["LOAD_CONST"]:
+        return name, code.co_consts[arg]
+    return name, None
+
+
+def _step(raw: bytes, offset: int, direction: int) -> int:
+    """The offset of the next real instruction from ``offset`` (caches and EXTENDED_ARG prefixes skipped)."""
+    offset += direction
+    while 0 <= offset < len(raw) and (raw[offset] == _CACHE or raw[offset] == dis.EXTENDED_ARG):
+        offset += direction
+    return offset
+
+
+def _load_offsets(code: types.CodeType, attribute: str):
+    """Offsets of the instructions loading ``attribute`` (a name in co_names), found as byte patterns."""
+    raw, index = code.co_code, code.co_names.index(attribute)
+    patterns = []
+    for op in _ATTRIBUTE_OPS:
+        args = (index << 1, index << 1 | 1) if _ATTR_SHIFT and dis.opname[op] == "LOAD_ATTR" else (index,)
+        patterns += [bytes((op, a)) for a in args if a < 256]
+        if any(a >= 256 for a in args):  # an EXTENDED_ARG prefix: look at every instruction
+            yield from (o for o in range(0, len(raw), 2) if raw[o] == op and _decode(code, o)[1] == attribute)
+    for pattern in patterns:
+        offset = raw.find(pattern)
+        while offset != -1:
+            if offset % 2 == 0 and _decode(code, offset)[1] == attribute:
+                yield offset
+            offset = raw.find(pattern, offset + 1)
+
+
+def _attribute_loads(code: types.CodeType, attribute: str):
+    """(instruction before, instruction after) each load of ``attribute`` in ``code``'s own instructions."""
+    if not _FAST_DECODE:
+        instructions = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname != "EXTENDED_ARG"]
+        for i, (opname, argval) in enumerate(instructions):
+            if opname in _ATTRIBUTE_LOADS and argval == attribute:
+                yield (instructions[i - 1] if i else None,
+                       instructions[i + 1] if i + 1 < len(instructions) else None)
+        return
+    raw = code.co_code
+    for offset in _load_offsets(code, attribute):
+        before, after = _step(raw, offset, -2), _step(raw, offset, 2)
+        yield (_decode(code, before) if before >= 0 else None,
+               _decode(code, after) if after < len(raw) else None)
+
+
 def _names_torch(instruction) -> bool:
-    return instruction is not None and instruction.opname.startswith("LOAD_") and instruction.argval == "torch"
+    return instruction is not None and instruction[0].startswith("LOAD_") and instruction[1] == "torch"
 
 
 def _tensor_method_here(code: types.CodeType) -> bool:
     """``.cuda(...)`` on anything but the name torch, or ``.to("cuda...")``, in ``code``'s own instructions."""
-    instructions = list(dis.get_instructions(code))
-    for i, instruction in enumerate(instructions):
-        if instruction.opname not in _ATTRIBUTE_LOADS:
-            continue
-        after = instructions[i + 1] if i + 1 < len(instructions) else None
-        if instruction.argval == "cuda" and not _names_torch(instructions[i - 1] if i else None) and (
-                after is None or after.opname not in _ATTRIBUTE_LOADS):
-            return True
-        if instruction.argval == "to" and after is not None and after.opname == "LOAD_CONST" and (
-                _is_device_string(after.argval) and after.argval != "nccl"):
-            return True
-    return False
+    names = code.co_names
+    if "cuda" in names and any(not _names_torch(before) and (after is None or after[0] not in _ATTRIBUTE_LOADS)
+                               for before, after in _attribute_loads(code, "cuda")):
+        return True
+    return "to" in names and any(after is not None and after[0] == "LOAD_CONST" and _is_device_string(after[1])
+                                 and after[1] != "nccl" for _, after in _attribute_loads(code, "to"))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -161,7 +231,7 @@ def _routed_import(name, globals=None, locals=None, fromlist=(), level=0):
     if module is torch.cuda:
         _TORCH_CUDA_FROM.setdefault(importer, set()).update(fromlist or ())
         return device
-    if name == "torch.distributed" and fromlist and _STRINGS.get(importer):
+    if name == "torch.distributed" and fromlist:
         return torch_view.routed_distributed()
     return module
 
@@ -287,15 +357,15 @@ def _record(module: types.ModuleType, had_builtins: bool, original_builtins) -> 
 
 
 def _route_imported(module: types.ModuleType) -> None:
-    """Route a module imported before its package was: rebind its torch, torch.cuda and torch.cuda names (and
-    torch.distributed, where it spells ``"nccl"``)."""
+    """Route a module imported before its package was: rebind its torch, torch.distributed, torch.cuda and
+    torch.cuda names."""
     namespace = vars(module)
     codes = [fn.__code__ for _, _, raw in _definitions(module) if (fn := _function(raw)) is not None]
     _STRINGS[module.__name__] = any(map(spells_device_strings, codes))
     view = _view(module.__name__, None)
     cuda_names = {id(v): k for k, v in vars(torch.cuda).items() if not isinstance(v, (int, str, bool, type(None)))}
     had_builtins, original_builtins = "__builtins__" in namespace, namespace.get("__builtins__")
-    dist = sys.modules.get("torch.distributed") if _STRINGS[module.__name__] else None
+    dist = sys.modules.get("torch.distributed")
     for key, value in list(namespace.items()):
         if value is torch:
             namespace[key] = view

@@ -19,13 +19,18 @@ modules that the patch table pulls in beyond ``megatron.core``.
 The final line uses the wall clock unless ``--clock cpu`` is given. On a machine busy with other work
 (the load average is printed) wall-clock samples spread widely; CPU time is the steadier figure there.
 
-Usage: python bench/import_overhead.py [--repeats 5] [--warmup 1] [--clock wall|cpu]
+``--baseline REV`` adds a fourth kind, ``adapter@REV``: the same imports with the adapter of an earlier
+revision (a git worktree of REV), so a change to the adapter is measured against what it replaced.
+
+Usage: python bench/import_overhead.py [--repeats 5] [--warmup 1] [--clock wall|cpu] [--baseline REV]
 Exits 0 whatever the overhead is (a benchmark, not a test); exits 1 only when a child run fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -34,6 +39,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import baseline  # noqa: E402 - bench/ is not a package
 GOAL_PERCENT = 10.0
 
 # argv[1:] of each child: the megatron modules to import after the first statement.
@@ -52,6 +59,8 @@ _ADAPTER_CHECK = r"""
 import adapter as _adapter
 _bad = []
 for _p in _adapter.registry.patches():
+    if _p.module not in sys.argv[1:]:
+        continue  # megatron.training targets: no Megatron-LM checkout here
     _s = _adapter.registry.status(_p.target)
     if _s == "pending" or _s.startswith("error"):
         _bad.append(f"{_p.target}: {_s}")
@@ -72,15 +81,27 @@ def target_modules() -> list[str]:
     sys.path.insert(0, str(ROOT))
     import adapter
 
-    return sorted({p.module for p in adapter.registry.patches()})
+    return sorted(m for m in {p.module for p in adapter.registry.patches()} if _importable(m))
 
 
-def run_child(kind: str, modules: list[str]) -> tuple[float, float, int]:
-    """(wall seconds importing, CPU seconds importing, len(sys.modules)) of one fresh child."""
+def _importable(module: str) -> bool:
+    """megatron.training / megatron.legacy targets exist only with a Megatron-LM checkout on PYTHONPATH."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def run_child(kind: str, modules: list[str], roots: dict | None = None) -> tuple[float, float, int]:
+    """(wall seconds importing, CPU seconds importing, len(sys.modules)) of one fresh child; ``adapter@REV``
+    imports the adapter of that revision's tree (``roots``), without this tree's patch check."""
+    kind, _, rev = kind.partition("@")
+    root = (roots or {}).get(rev, ROOT)
     env = {**os.environ, "ADAPTER_BACKEND": "cpu",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    args = [sys.executable, "-c", KINDS[kind]] + (modules if kind != "core" else [])
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    code = _CHILD.format(first="import adapter\nimport megatron.core", check="") if rev else KINDS[kind]
+    args = [sys.executable, "-c", code] + (modules if kind != "core" else [])
+    proc = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(f"{kind} run failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr[-4000:]}")
@@ -105,29 +126,32 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="which clock the final line reports (default wall)")
     parser.add_argument("--json", action="store_true", help="also print the raw samples as JSON")
+    parser.add_argument("--baseline", metavar="REV", help="also import the adapter of this git revision")
     opts = parser.parse_args()
     if opts.repeats < 1 or opts.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
 
     modules = target_modules()
-    order = ["megatron", "adapter", "core"]
+    order = ["megatron", "adapter", "core"] + ([f"adapter@{opts.baseline}"] if opts.baseline else [])
     wall = {kind: [] for kind in order}
     cpu = {kind: [] for kind in order}
     counts = {}
     load_before = _load()
-    for rnd in range(opts.warmup + opts.repeats):
-        for kind in (order if rnd % 2 == 0 else order[::-1]):
-            seconds, cpu_seconds, count = run_child(kind, modules)
-            counts[kind] = count
-            if rnd >= opts.warmup:
-                wall[kind].append(seconds)
-                cpu[kind].append(cpu_seconds)
+    with contextlib.ExitStack() as stack:
+        roots = {opts.baseline: stack.enter_context(baseline.worktree(opts.baseline))} if opts.baseline else {}
+        for rnd in range(opts.warmup + opts.repeats):
+            for kind in (order if rnd % 2 == 0 else order[::-1]):
+                seconds, cpu_seconds, count = run_child(kind, modules, roots)
+                counts[kind] = count
+                if rnd >= opts.warmup:
+                    wall[kind].append(seconds)
+                    cpu[kind].append(cpu_seconds)
 
     med = {kind: statistics.median(v) for kind, v in wall.items()}
     med_cpu = {kind: statistics.median(v) for kind, v in cpu.items()}
     label = {"megatron": f"megatron.core + {len(modules)} targeted modules",
              "adapter": f"adapter + megatron.core + same {len(modules)}",
-             "core": "megatron.core only"}
+             "core": "megatron.core only", f"adapter@{opts.baseline}": f"adapter of {opts.baseline} + same"}
 
     print(f"import overhead: {opts.repeats} fresh processes per row (after {opts.warmup} warm-up), "
           f"ADAPTER_BACKEND=cpu, python {sys.version.split()[0]}")
@@ -144,6 +168,10 @@ def main() -> None:
         print(f"{clock:<4} adapter / megatron (same modules): {m['adapter'] / m['megatron']:.3f} "
               f"({m['adapter'] - m['megatron']:+.3f} s);  adapter / megatron.core alone: "
               f"{m['adapter'] / m['core']:.3f} ({m['adapter'] - m['core']:+.3f} s)")
+    if opts.baseline:
+        base = f"adapter@{opts.baseline}"
+        print(f"this tree / {opts.baseline}: wall {med['adapter'] / med[base]:.3f}, cpu "
+              f"{med_cpu['adapter'] / med_cpu[base]:.3f} (below 1: imports faster now)")
     if opts.json:
         print(json.dumps({"modules": modules, "wall": wall, "cpu": cpu}))
     m = med if opts.clock == "wall" else med_cpu

@@ -18,12 +18,16 @@ Model FLOPs per token are the training log's (``adapter.training.training_log.mo
 too (a square ``torch.mm`` of ``--peak-size``), and the flow's achieved FLOP/s is printed as a share of
 it. Goals: ratio megatron / transformers >= 1.0; above 50% of the matmul peak on this GEMM-bound shape.
 
-Usage: python bench/train_throughput.py [--rounds 2] [--iters 6] [--warmup 3]
+``--baseline REV`` also runs the flow (torch provider) from a worktree of an earlier revision, in the same
+rounds, and prints this tree / REV: how a change to the adapter moved the training step.
+
+Usage: python bench/train_throughput.py [--rounds 2] [--iters 6] [--warmup 3] [--baseline REV]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -33,6 +37,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import baseline  # noqa: E402 - bench/ is not a package
 # GEMM-bound: hidden 1024 with 16 heads / 4 groups, FFN 2816, seq 512 (attention is ~15% of the FLOPs)
 SHAPE = dict(num_layers=4, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16, num_query_groups=4,
              vocab_size=8192, seq_length=512)
@@ -118,12 +124,15 @@ def matmul_peak(size: int, repeats: int = 5) -> float:
     return 2 * size ** 3 / best
 
 
-def _child(kind: str, iters: int, warmup: int) -> float:
+def _child(kind: str, iters: int, warmup: int, roots: dict | None = None) -> float:
+    """One fresh process; a kind ending in ``@REV`` runs from that revision's tree (``roots``)."""
+    kind, _, rev = kind.partition("@")
+    root = (roots or {}).get(rev, ROOT)
     run, _, provider = kind.partition("/")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ADAPTER_BACKEND": "cpu",
+    env = {**os.environ, "PYTHONPATH": str(root), "ADAPTER_BACKEND": "cpu",
            **({"ADAPTER_KERNELS": provider} if provider else {})}
-    done = subprocess.run([sys.executable, __file__, "--child", run, "--iters", str(iters), "--warmup",
-                           str(warmup)], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, str(root / "bench" / "train_throughput.py"), "--child", run, "--iters",
+                           str(iters), "--warmup", str(warmup)], cwd=root, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise SystemExit(f"{kind} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -138,8 +147,11 @@ def main(argv=None) -> None:
     parser.add_argument("--peak-size", type=int, default=2048)
     parser.add_argument("--providers", nargs="+", default=["torch", "cuda"], choices=["torch", "cuda"],
                         help="kernel providers to run the flow with")
+    parser.add_argument("--baseline", metavar="REV", help="also run the flow from this git revision")
     parser.add_argument("--child", choices=["megatron", "transformers", "peak"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.baseline and "torch" not in args.providers:
+        parser.error("--baseline compares the torch provider's flow: keep torch in --providers")
     if args.child:
         value = {"megatron": lambda: run_megatron(args.iters, args.warmup),
                  "transformers": lambda: run_transformers(args.iters, args.warmup),
@@ -153,10 +165,13 @@ def main(argv=None) -> None:
     from adapter.training.training_log import model_flops_per_token
 
     kinds = [f"megatron/{p}" for p in args.providers] + ["transformers"]
-    results = {kind: [] for kind in kinds}
-    for round_ in range(args.rounds):
-        for kind in (kinds if round_ % 2 == 0 else kinds[::-1]):
-            results[kind].append(_child(kind, args.iters, args.warmup))
+    with contextlib.ExitStack() as stack:
+        roots = {args.baseline: stack.enter_context(baseline.worktree(args.baseline))} if args.baseline else {}
+        kinds += [f"megatron/torch@{args.baseline}"] if args.baseline else []
+        results = {kind: [] for kind in kinds}
+        for round_ in range(args.rounds):
+            for kind in (kinds if round_ % 2 == 0 else kinds[::-1]):
+                results[kind].append(_child(kind, args.iters, args.warmup, roots))
     peak = _child("peak", args.iters, args.warmup)
     model = _model()
     flops_per_token = model_flops_per_token(model, model.seq_length)
@@ -174,6 +189,10 @@ def main(argv=None) -> None:
         print(f"{kind:<16} {rate:9.1f} {rate * flops_per_token / 1e9:9.1f} {100 * rate * flops_per_token / peak:8.1f}% "
               f"{rate / best['transformers']:15.3f} {median[kind] / median['transformers']:10.3f}   "
               f"{', '.join(f'{r:.1f}' for r in results[kind])}")
+    if args.baseline:
+        base = f"megatron/torch@{args.baseline}"
+        print(f"this tree / {args.baseline} (megatron/torch): best {best['megatron/torch'] / best[base]:.3f}, "
+              f"medians {median['megatron/torch'] / median[base]:.3f} (above 1: faster now)")
     print("goals: megatron / transformers >= 1.0; megatron above 50% of the matmul peak")
 
 

@@ -6,7 +6,9 @@ with its file:line, so a new megatron release shows exactly what it added. The s
 megatron.core module with and without the adapter and compares what routing wrapped with what the
 source model says it wraps."""
 
+import dis
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -158,7 +160,7 @@ PROBE = textwrap.dedent('''
 
 def _probe(mode: str) -> dict:
     proc = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**__import__("os").environ, "ADAPTER_BACKEND": "cpu"})
+                          timeout=600, env={**os.environ, "ADAPTER_BACKEND": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
@@ -172,3 +174,40 @@ def test_routing_wraps_what_the_source_model_says_and_breaks_no_import():
     refused = {f for f in expected if cuda_only_features.owner(*f.split(":"), "") is not None}
     assert set(routed["wrapped"]) - expected == set()
     assert expected - refused - set(routed["wrapped"]) == set()
+
+
+def _codes(code):
+    yield code
+    for constant in code.co_consts:
+        if hasattr(constant, "co_code"):
+            yield from _codes(constant)
+
+
+def _tensor_method_by_dis(code) -> bool:
+    """The rule's ``.cuda()`` / ``.to("cuda")`` test, read off dis.get_instructions: the reference for the
+    byte-level reading cuda_scope does at import."""
+    loads = ("LOAD_ATTR", "LOAD_METHOD")
+    ins = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname != "EXTENDED_ARG"]
+    for i, (opname, argval) in enumerate(ins):
+        before, after = (ins[i - 1] if i else None), (ins[i + 1] if i + 1 < len(ins) else None)
+        on_torch = before is not None and before[0].startswith("LOAD_") and before[1] == "torch"
+        if opname in loads and argval == "cuda" and not on_torch and (after is None or after[0] not in loads):
+            return True
+        if opname in loads and argval == "to" and after and after[0] == "LOAD_CONST" and (
+                after[1] in ("cuda",) or str(after[1]).startswith("cuda:")):
+            return True
+    return False
+
+
+@pytest.mark.slow
+def test_the_bytecode_rule_reads_what_dis_reads():
+    from adapter import cuda_scope
+
+    disagree, spelled = [], 0
+    for file in sorted(CORE.rglob("*.py")):
+        for code in _codes(compile(file.read_text(encoding="utf-8"), str(file), "exec")):
+            expected = _tensor_method_by_dis(code)
+            spelled += expected
+            if cuda_scope._tensor_method_here(code) != expected:
+                disagree.append(f"{file}: {code.co_name} (line {code.co_firstlineno})")
+    assert spelled > 5 and not disagree, disagree

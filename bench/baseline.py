@@ -1,0 +1,27 @@
+"""An earlier revision of this repository, checked out beside it, for benchmarks that compare the working
+tree with it side by side in one run (``--baseline REV``): the children of both take turns, so drift on
+the machine hits both alike."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def worktree(rev: str):
+    """A detached git worktree of ``rev`` in a temporary folder, removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-baseline-")) / "tree"
+    done = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(folder), rev],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"--baseline {rev}: git worktree add failed: {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(folder)],
+                       capture_output=True)
