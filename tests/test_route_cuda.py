@@ -40,6 +40,20 @@ USER_CODE = textwrap.dedent('''
             dist.destroy_process_group()
 ''')
 
+# a module that spells no "nccl" itself, handing on the backend its caller named (as megatron's
+# HyperCommGrid does with the backend= its user gave it)
+FORWARDING_CODE = textwrap.dedent('''
+    import torch
+
+
+    def join_with(store, backend):
+        torch.distributed.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+        try:
+            return torch.distributed.get_backend()
+        finally:
+            torch.distributed.destroy_process_group()
+''')
+
 
 @pytest.fixture
 def user_packages(tmp_path, monkeypatch):
@@ -48,6 +62,7 @@ def user_packages(tmp_path, monkeypatch):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text("")
         (tmp_path / name / "train.py").write_text(USER_CODE)
+        (tmp_path / name / "grid.py").write_text(FORWARDING_CODE)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
     adapter.unroute_cuda("userpkg")
@@ -119,3 +134,45 @@ def test_what_cannot_be_routed_is_refused_by_name(name, says):
     with pytest.raises(ValueError, match=f"{name!r}.*{says}" if name else says):
         adapter.route_cuda(name)
     assert name not in cuda_scope.routed_packages()
+
+
+def test_a_backend_name_handed_on_by_a_routed_module_is_mapped(user_packages):
+    adapter.route_cuda("userpkg")
+    grid = importlib.import_module("userpkg.grid")
+    assert grid.join_with(dist.HashStore(), "nccl") == "gloo"
+    with pytest.raises(RuntimeError, match="NCCL"):
+        importlib.import_module("sibling.grid").join_with(dist.HashStore(), "nccl")
+
+
+def test_no_routing_wrapper_runs_in_a_training_step(monkeypatch):
+    """Routing costs nothing per layer: a forward + backward of megatron's GPT goes through none of the
+    strings view's wrapped functions and enters no tensor-call mode (they serve set-up code only)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    import models
+    from adapter import torch_view
+    from models.provider import transformer_config
+    from tests.kernel_models import _gpt, _loss_and_grads
+    from tests.kernel_reference import one_rank_model_parallel
+
+    calls = []
+    view = torch_view.routed_strings()
+    for name in (*torch_view._FACTORIES, "autocast", "device"):
+        monkeypatch.setitem(vars(view), name, _counted(getattr(view, name), name, calls))
+    monkeypatch.setattr(torch_view.CudaCalls, "__enter__", _counted(torch_view.CudaCalls.__enter__, "mode", calls))
+    with one_rank_model_parallel():
+        flavor = models.get("gpt-tiny")
+        model = _gpt(flavor, transformer_config(flavor), get_gpt_layer_local_spec(normalization="RMSNorm"))
+        tokens = torch.randint(0, flavor.vocab_size, (2, flavor.seq_length))
+        assert "empty" in calls  # building the layers went through the counted view: the counter sees calls
+        calls.clear()
+        _loss_and_grads(model, tokens, torch.roll(tokens, -1, dims=1))
+    assert calls == []
+
+
+def _counted(fn, name, calls):
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+
+    return counted
