@@ -30,7 +30,7 @@ import torch
 import adapter
 from adapter import backend as _backend
 from adapter import device as _device
-from adapter import kernels, own_packages, quiet_warnings, stand_ins
+from adapter import cuda_scope, kernels, own_packages, quiet_warnings, stand_ins
 from adapter.core_source import megatron_lm_checkout
 from adapter.registry import PatchRegistry
 
@@ -67,7 +67,7 @@ def collect(registry: PatchRegistry | None = None) -> dict:
     with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         data = {**backend_section(), "versions": versions(), "packages": own_packages.rows(), **kernel_section(),
-                "patches": patch_rows(registry), "stand_ins": stand_ins.rows(),
+                "patches": patch_rows(registry), "cuda_routing": cuda_scope.rows(), "stand_ins": stand_ins.rows(),
                 "quiet_warnings": quiet_warnings.rows()}
     data["problems"] = problems(data)
     return data
@@ -405,6 +405,11 @@ def render(data: dict) -> str:
         lines.append(f"  {'':<8} {row['reason']}")
         if row["why"] or row["error"]:
             lines.append(f"  {'':<8} {'error' if row['error'] else 'why'}: {row['error'] or row['why']}")
+    lines += ["", "CUDA routing (adapter.cuda_scope; after importing the patch targets)"]
+    lines += [f"  {row['package']:<10} by {row['by']}: {row['modules']} modules routed, {row['tensor-call functions']} "
+              "functions answering tensor-method spellings" for row in data["cuda_routing"]]
+    if not data["cuda_routing"]:
+        lines.append("  none: CUDA spellings run as written on this backend")
     lines += ["", f"import stand-ins: {len(data['stand_ins'])} (adapter.stand_ins)"]
     for row in data["stand_ins"]:
         lines.append(f"  {row['status']:<8} {row['module']}  [needs {row['requires']}, {row['versions']}]")
