@@ -176,3 +176,21 @@ def _counted(fn, name, calls):
         return fn(*args, **kwargs)
 
     return counted
+
+
+def test_a_megatron_module_added_by_a_later_release_is_routed_too(tmp_path, monkeypatch):
+    """Routing is by package, not by list: a module megatron.core gains (here: one more folder on its
+    __path__, as a new release's file would be) is routed when it is imported."""
+    import megatron.core
+
+    (tmp_path / "added_in_a_later_release.py").write_text(USER_CODE)
+    monkeypatch.setattr(megatron.core, "__path__", [*megatron.core.__path__, str(tmp_path)])
+    name = "megatron.core.added_in_a_later_release"
+    try:
+        added = importlib.import_module(name)
+        assert added.place() == EXPECTED
+        assert added.SEEN_AT_IMPORT == 1
+        assert cuda_scope.is_routed(name)
+    finally:
+        sys.modules.pop(name, None)
+        cuda_scope._ROUTED.pop(name, None)
