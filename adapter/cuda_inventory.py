@@ -150,7 +150,8 @@ class _Scanner(ast.NodeVisitor):
 
     def _string_context(self, node) -> str:
         """How a device string is used: 'device', 'device_type', 'backend' (given to a call the strings
-        view routes), 'to' (``.to("cuda")``), 'device-kw' (``device=`` of any other call), or 'other'."""
+        view routes), 'device-layer' (``device=`` of a torch.cuda call), 'to' (``.to("cuda")``), 'device-kw'
+        (``device=`` of any other call), 'compare' (an operand of ``==`` / ``in``), or 'other'."""
         parent = self.parents[-1] if self.parents else None
         if isinstance(parent, ast.JoinedStr):  # f"cuda:{rank}": the f-string is what is passed
             node, parent = parent, self.parents[-2]
