@@ -40,5 +40,9 @@ setup(
         "npu": ["pyyaml"],
         # NVIDIA apex is built from source (github.com/NVIDIA/apex); Transformer Engine is optional.
         "cuda": ["pyyaml"],
+        # Megatron-LM's training code and its unit tests (scripts/run_megatron_tests.py): six for its
+        # tokenizers; requests and click for the data-download helper its conftest imports; pytest-mock
+        # and mock for tests that import them; einops for HyperCommGrid and parallel_state
+        "megatron-lm": ["six", "requests", "click", "pytest-mock", "mock", "einops"],
     },
 )

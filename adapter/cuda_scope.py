@@ -9,10 +9,11 @@ own packages through ``adapter.route_cuda``), and every module under it, now or 
 1. its ``torch``: a meta-path finder hands each module of a routed package, before its code runs, builtins
    whose ``__import__`` answers ``import torch`` with a view (``adapter.torch_view``) whose ``torch.cuda``
    is ``adapter.device``, and ``from torch.cuda import x`` with the device layer's ``x``. So import-time
-   checks are routed too. Every view maps ``backend="nccl"`` of torch.distributed's group constructors (a
-   module may pass on a backend name it was given); modules whose code holds a CUDA device string or
-   ``"nccl"`` get the view that also maps device strings (``routed_strings``). The code that runs is the
-   module's own, unchanged;
+   checks are routed too. Modules whose code holds a CUDA device string get the view that also maps
+   those (``routed_strings``); modules that hold ``"nccl"`` or pass a ``backend=`` on to a
+   torch.distributed group constructor (a backend name their caller gave them) get a torch.distributed
+   that maps ``"nccl"``; all others keep the real torch.distributed. The code that runs is the module's
+   own, unchanged;
 2. its tensor methods: each function and method defined in the module whose code spells CUDA in a tensor
    method (``.cuda()``, ``.is_cuda``, a ``'torch.cuda.*Tensor'`` type name, ``.to("cuda")``) is wrapped to
    run under ``adapter.torch_view.CudaCalls``, which answers those spellings for that module's own calls
@@ -69,6 +70,31 @@ def spells_device_strings(code: types.CodeType) -> bool:
     """Whether ``code``, or code nested in it, holds ``"cuda"``, ``"cuda:N"`` or ``"nccl"``: its module
     gets the view that maps device and backend strings."""
     return any(map(_is_device_string, _strings(code))) or any(map(spells_device_strings, _nested(code)))
+
+
+_GROUP_CONSTRUCTOR_NAMES = frozenset(torch_view._GROUP_CONSTRUCTORS)
+
+
+@functools.lru_cache(maxsize=4096)
+def hands_on_backend(code: types.CodeType) -> bool:
+    """Whether ``code``, or code nested in it, calls a torch.distributed group constructor with a
+    ``backend=`` keyword (keyword names are string constants): its module gets a torch.distributed that maps
+    ``"nccl"``, since the name may come from its caller."""
+    return (not _GROUP_CONSTRUCTOR_NAMES.isdisjoint(code.co_names) and "backend" in _strings(code)) or any(
+        map(hands_on_backend, _nested(code)))
+
+
+@functools.lru_cache(maxsize=4096)
+def names_backend(code: types.CodeType) -> bool:
+    """Whether ``code``, or code nested in it, holds ``"nccl"`` or hands a backend on: its module's
+    torch.distributed maps ``"nccl"``; other modules keep the real one (``mock.patch`` reaches it)."""
+    return "nccl" in _strings(code) or hands_on_backend(code) or any(map(names_backend, _nested(code)))
+
+
+def view_kind(code: types.CodeType) -> str:
+    """Which view a module with this code gets: "strings" (device strings mapped) and/or "dist" (backend
+    names mapped), joined by "+", or "" (torch.cuda routed only)."""
+    return "+".join(k for k, hit in (("strings", spells_device_strings(code)), ("dist", names_backend(code))) if hit)
 
 
 # The rule reads a few instructions around each load of the attribute ``cuda`` or ``to``. It runs at import
@@ -207,14 +233,16 @@ class _Routed:
 
 _ROUTED: dict[str, _Routed] = {}
 _TORCH_CUDA_FROM: dict[str, set] = {}  # module -> names it took ``from torch.cuda import``
-_STRINGS: dict[str, bool] = {}  # module -> whether it got the strings view
+_KINDS: dict[str, str] = {}  # module -> the kind of view it got (``view_kind``)
+_VIEWS = {"strings+dist": torch_view.routed_strings, "strings": lambda: torch_view.routed_strings(distributed=False),
+          "dist": torch_view.routed_backend, "": torch_view.routed}
 
 
 # ---------------------------------------------------------------------------------------- import
 def _view(module: str, code: types.CodeType | None) -> types.ModuleType:
-    if module not in _STRINGS:
-        _STRINGS[module] = code is not None and spells_device_strings(code)
-    return torch_view.routed_strings() if _STRINGS[module] else torch_view.routed()
+    if module not in _KINDS:
+        _KINDS[module] = view_kind(code) if code is not None else ""
+    return _VIEWS[_KINDS[module]]()
 
 
 def _routed_import(name, globals=None, locals=None, fromlist=(), level=0):
@@ -231,7 +259,7 @@ def _routed_import(name, globals=None, locals=None, fromlist=(), level=0):
     if module is torch.cuda:
         _TORCH_CUDA_FROM.setdefault(importer, set()).update(fromlist or ())
         return device
-    if name == "torch.distributed" and fromlist:
+    if name == "torch.distributed" and fromlist and "dist" in _KINDS.get(importer, ""):
         return torch_view.routed_distributed()
     return module
 
@@ -340,8 +368,9 @@ def _device_counterparts(module_name: str) -> dict:
     """id(routed object) -> real object, for what a routed module may hold from torch."""
     import torch.distributed as dist
 
-    pairs = {id(torch_view.routed()): torch, id(torch_view.routed_strings()): torch, id(device): torch.cuda,
-             id(torch_view.routed_distributed()): dist}
+    pairs = {id(torch_view.routed()): torch, id(torch_view.routed_strings()): torch,
+             id(torch_view.routed_strings(distributed=False)): torch, id(torch_view.routed_backend()): torch,
+             id(device): torch.cuda, id(torch_view.routed_distributed()): dist}
     for name in _TORCH_CUDA_FROM.get(module_name, ()):
         routed = getattr(device, name, None)
         if routed is not None and hasattr(torch.cuda, name):
@@ -357,15 +386,16 @@ def _record(module: types.ModuleType, had_builtins: bool, original_builtins) -> 
 
 
 def _route_imported(module: types.ModuleType) -> None:
-    """Route a module imported before its package was: rebind its torch, torch.distributed, torch.cuda and
-    torch.cuda names."""
+    """Route a module imported before its package was: rebind its torch, torch.cuda and torch.cuda names
+    (and torch.distributed, where it spells ``"nccl"`` or hands a backend on)."""
     namespace = vars(module)
     codes = [fn.__code__ for _, _, raw in _definitions(module) if (fn := _function(raw)) is not None]
-    _STRINGS[module.__name__] = any(map(spells_device_strings, codes))
+    kinds = "+".join(map(view_kind, codes))
+    _KINDS[module.__name__] = "+".join(k for k in ("strings", "dist") if k in kinds)
     view = _view(module.__name__, None)
     cuda_names = {id(v): k for k, v in vars(torch.cuda).items() if not isinstance(v, (int, str, bool, type(None)))}
     had_builtins, original_builtins = "__builtins__" in namespace, namespace.get("__builtins__")
-    dist = sys.modules.get("torch.distributed")
+    dist = sys.modules.get("torch.distributed") if "dist" in _KINDS[module.__name__] else None
     for key, value in list(namespace.items()):
         if value is torch:
             namespace[key] = view
@@ -462,7 +492,7 @@ def unroute(package: str, who: str = "user") -> None:
         _rebind_copies([(new, old) for old, new in _module_functions(_ROUTED[n] for n in leaving)], package)
         for name in leaving:
             _unroute(_ROUTED.pop(name))
-            _STRINGS.pop(name, None)
+            _KINDS.pop(name, None)
             _TORCH_CUDA_FROM.pop(name, None)
         if not _SCOPES.packages and _FINDER in sys.meta_path:
             sys.meta_path.remove(_FINDER)

@@ -5,9 +5,13 @@ request) a *view* as its ``torch``: a module object sharing torch's namespace, e
 is ``adapter.device``. Modules whose code holds a CUDA device string (``"cuda"``, ``"cuda:N"``) or
 ``"nccl"`` get the *strings* view, which also routes ``device=`` of tensor factories, ``torch.device(...)``,
 ``torch.autocast``/``torch.amp``'s ``device_type`` and ``backend="nccl"`` of ``torch.distributed``'s group
-constructors. Other libraries, and ``torch`` itself, are untouched. A view's attributes cost what torch's
-cost (a dict lookup); only the strings view's factories are wrappers, and only in the modules that spell
-a device string, none of which is per-layer code.
+constructors (the latter only where the module spells ``"nccl"`` or hands a backend on); modules that only
+hand a caller's backend name on to a group constructor get the *backend* view (``torch.distributed``'s
+constructors mapped, nothing else). Other libraries, and ``torch`` itself, are untouched; so is the
+``torch.distributed`` of every module that names no backend, where ``mock.patch("torch.distributed.x")``
+still reaches it. A view's attributes cost what torch's cost (a dict lookup); only the group constructors
+(called once per group) and the strings view's factories are wrappers, and only in the modules that spell
+a device string or pass a backend on, none of which is per-layer code.
 
 What lives in tensor methods (``t.cuda()``, ``t.to("cuda")``, ``t.is_cuda``, ``t.type() ==
 "torch.cuda.FloatTensor"``, ``model.cuda()``) no view can reach: ``CudaCalls`` answers those, for the calls
@@ -119,6 +123,14 @@ def routed() -> types.ModuleType:
 
 
 @functools.lru_cache(maxsize=None)
+def routed_backend() -> types.ModuleType:
+    """torch, with torch.cuda routed and ``backend="nccl"`` of torch.distributed's group constructors mapped:
+    for a module that passes on a backend name it was given (``HyperCommGrid(backend="nccl")`` stores it for
+    ``new_subgroups_by_enumeration``) without spelling it itself."""
+    return _View(torch, "torch.cuda and backend='nccl' routed", {"cuda": device, "distributed": routed_distributed()})
+
+
+@functools.lru_cache(maxsize=None)
 def routed_distributed() -> types.ModuleType:
     """torch.distributed, with ``backend="nccl"`` of its group constructors mapped to this backend's."""
     import torch.distributed as dist
@@ -138,12 +150,17 @@ def routed_amp() -> types.ModuleType:
 
 
 @functools.lru_cache(maxsize=None)
-def routed_strings() -> types.ModuleType:
-    """torch, with torch.cuda routed and CUDA device / NCCL backend strings mapped (see module doc)."""
+def routed_strings(distributed: bool = True) -> types.ModuleType:
+    """torch, with torch.cuda routed and CUDA device strings mapped (see module doc); NCCL backend strings
+    too unless ``distributed`` is False (a module that names no backend keeps the real torch.distributed,
+    which ``mock.patch("torch.distributed.x")`` reaches)."""
     replaced = {name: _with_routed_keyword(getattr(torch, name), "device", route_device) for name in _FACTORIES}
-    replaced.update(cuda=device, device=routed_device, distributed=routed_distributed(), amp=routed_amp(),
+    replaced.update(cuda=device, device=routed_device, amp=routed_amp(),
                     autocast=_with_routed_keyword(torch.autocast, "device_type", route_device_type, 0))
-    return _View(torch, "torch.cuda, device='cuda' and backend='nccl' routed", replaced)
+    if distributed:
+        replaced["distributed"] = routed_distributed()
+    return _View(torch, "torch.cuda, device='cuda' and backend='nccl' routed" if distributed else
+                 "torch.cuda and device='cuda' routed", replaced)
 
 
 # ------------------------------------------------------------------------------------ tensor methods

@@ -63,6 +63,8 @@ def user_packages(tmp_path, monkeypatch):
         (tmp_path / name / "__init__.py").write_text("")
         (tmp_path / name / "train.py").write_text(USER_CODE)
         (tmp_path / name / "grid.py").write_text(FORWARDING_CODE)
+        (tmp_path / name / "plain.py").write_text("import torch\n\n\ndef initialized():\n"
+                                                 "    return torch.distributed.is_initialized()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
     adapter.unroute_cuda("userpkg")
@@ -142,6 +144,8 @@ def test_a_backend_name_handed_on_by_a_routed_module_is_mapped(user_packages):
     assert grid.join_with(dist.HashStore(), "nccl") == "gloo"
     with pytest.raises(RuntimeError, match="NCCL"):
         importlib.import_module("sibling.grid").join_with(dist.HashStore(), "nccl")
+    # a module that hands no backend on keeps the real torch.distributed: mock.patch reaches it
+    assert importlib.import_module("userpkg.plain").torch.distributed is dist
 
 
 def test_no_routing_wrapper_runs_in_a_training_step(monkeypatch):
@@ -156,9 +160,9 @@ def test_no_routing_wrapper_runs_in_a_training_step(monkeypatch):
     from tests.kernel_reference import one_rank_model_parallel
 
     calls = []
-    view = torch_view.routed_strings()
-    for name in (*torch_view._FACTORIES, "autocast", "device"):
-        monkeypatch.setitem(vars(view), name, _counted(getattr(view, name), name, calls))
+    for view in (torch_view.routed_strings(), torch_view.routed_strings(distributed=False)):
+        for name in (*torch_view._FACTORIES, "autocast", "device"):
+            monkeypatch.setitem(vars(view), name, _counted(getattr(view, name), name, calls))
     monkeypatch.setattr(torch_view.CudaCalls, "__enter__", _counted(torch_view.CudaCalls.__enter__, "mode", calls))
     with one_rank_model_parallel():
         flavor = models.get("gpt-tiny")

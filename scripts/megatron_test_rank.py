@@ -1,0 +1,149 @@
+"""One rank of ``scripts/run_megatron_tests.py``: Megatron-LM's own unit tests, unchanged, under pytest.
+
+Run as ``python scripts/megatron_test_rank.py CHECKOUT EVENTS [pytest arguments]`` with torchrun's
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). In order:
+
+1. the checkout goes first on sys.path and becomes the cwd, so ``tests.unit_tests`` is Megatron-LM's and
+   megatron.training its checkout's; ``megatron.core`` is the installed distribution's
+   (``adapter.core_source``), the version the adapter's patches were checked against;
+2. ``import adapter``: megatron gets what every user gets, nothing more;
+3. ``adapter.route_cuda("tests")`` once pytest's assertion rewriter is installed (it must come after that
+   finder, or the rewritten test modules would bypass the routing): the tests' own CUDA spellings (Utils'
+   ``backend='nccl'``, ``torch.cuda.set_device``, ``.cuda()``) reach this backend's device; a test file
+   outside any package, which pytest imports under its own name, is routed under that name;
+4. tests that need a CUDA-only library are skipped by ``skip_rules``, decided from the test's code and
+   parameters alone, so every rank skips the same tests (a rank that skipped a collective would hang the
+   others); failures that are only a CUDA-only library missing are reported as such skips;
+5. every outcome goes, one JSON line each and flushed at once, to EVENTS, which the launcher reads to
+   follow progress, find a hung test and fold the ranks together.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+if __package__:  # imported as scripts.megatron_test_rank (the harness's own tests)
+    from scripts import megatron_npu_stand_in as npu_stand_in
+    from scripts import megatron_skip_rules as skip_rules
+else:  # run as a file: its directory is sys.path[0] until main() puts the checkout there
+    import megatron_npu_stand_in as npu_stand_in
+    import megatron_skip_rules as skip_rules
+
+
+class RankPlugin:
+    """Routes the tests' package, applies the skip rules and writes each outcome to the events file."""
+
+    def __init__(self, events: Path, deselect: set[str]):
+        self.events = open(events, "a", buffering=1)
+        self.deselect = deselect
+
+    def write(self, **event) -> None:
+        self.events.write(json.dumps(event) + "\n")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_load_initial_conftests(self, early_config, parser, args):
+        """After the assertion rewriter's finder went in, before the first conftest is imported."""
+        import adapter
+
+        adapter.route_cuda("tests")
+
+    def pytest_collect_file(self, file_path, parent):
+        """pytest imports a test file outside any package (Megatron's tests/unit_tests/distributed has no
+        ``__init__.py``) as a top-level module named after the file, outside ``tests``: route that name."""
+        if file_path.name.startswith("test_") and file_path.suffix == ".py" and not (
+                file_path.parent / "__init__.py").exists():
+            import adapter
+
+            adapter.route_cuda(file_path.stem)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        """Megatron's conftests ask ``is_te_min_version`` in an autouse fixture that only sets TE's
+        environment; without TE that raises for every test, so there the fixture does nothing."""
+        if skip_rules.asks_only_te_version(fixturedef.func):
+            fixturedef.func = skip_rules.no_transformer_engine
+
+    def pytest_collection_modifyitems(self, session, config, items):
+        """Drop the tests an earlier set of ranks settled; mark those needing a CUDA-only library skipped."""
+        kept = [item for item in items if item.nodeid not in self.deselect]
+        if len(kept) != len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i.nodeid in self.deselect])
+            items[:] = kept
+        for item in items:
+            reason = skip_rules.cuda_only_need(item)
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=f"{skip_rules.PREFIX}{reason}"))
+
+    def pytest_collection_finish(self, session):
+        """The tests this rank will run: after every plugin's deselection (``-m`` comes after this
+        plugin's ``pytest_collection_modifyitems``)."""
+        self.write(event="collected", nodeids=[item.nodeid for item in session.items])
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.write(event="start", nodeid=nodeid)
+
+    def pytest_runtest_logreport(self, report):
+        self.write(event="report", nodeid=report.nodeid, when=report.when, **outcome_of(report))
+
+    def pytest_collectreport(self, report):
+        """A failed collection is an outcome; every collected module is progress (the launcher's timeout
+        counts from the last event, and importing megatron's test modules on 8 ranks takes a while)."""
+        if report.outcome != "passed":
+            self.write(event="report", nodeid=report.nodeid, when="collect", **outcome_of(report))
+        else:
+            self.write(event="collecting", nodeid=report.nodeid)
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        self.write(event="finished", status=int(exitstatus))
+
+
+def outcome_of(report) -> dict:
+    """``{"outcome", "reason"}`` of one report; a failure that is only a CUDA-only library missing
+    becomes a skip naming it."""
+    if report.outcome == "skipped":
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        return {"outcome": "skipped", "reason": reason.removeprefix("Skipped: ")}
+    if report.outcome == "passed":
+        return {"outcome": "passed", "reason": ""}
+    text = report.longreprtext
+    need = skip_rules.missing_library(text)
+    if need is not None:
+        return {"outcome": "skipped", "reason": f"{skip_rules.PREFIX}{need} (raised at run time)"}
+    return {"outcome": "failed", "reason": skip_rules.last_error_line(text), "detail": text[-4000:]}
+
+
+def _put_checkout_first(checkout: Path) -> None:
+    """The checkout replaces this script's directory as sys.path[0], and is the cwd (pytest's rootdir)."""
+    sys.path[0] = str(checkout)
+    os.chdir(checkout)
+
+
+def main(argv: list[str]) -> int:
+    """pytest's exit status for this rank (the launcher reads the events, not the status, for outcomes)."""
+    checkout, events, *pytest_args = argv
+    checkout = Path(checkout).resolve()
+    deselect_file = os.environ.get("MEGATRON_TESTS_DESELECT")
+    deselect = set(Path(deselect_file).read_text().split("\n")) - {""} if deselect_file else set()
+    # the launcher asks for the stack of a rank it is about to kill; into a file of its own, as pytest
+    # captures the rank's stderr while a test runs
+    faulthandler.register(signal.SIGUSR1, file=open(f"{events}.stack", "w"))
+    _put_checkout_first(checkout)
+    if os.environ.get("ADAPTER_BACKEND") == "npu":
+        npu_stand_in.install(int(os.environ.get("WORLD_SIZE", "1")))
+    import adapter  # noqa: F401 - the backend and the patch table, before anything imports megatron
+    from adapter.core_source import prefer_installed_megatron_core
+
+    prefer_installed_megatron_core()
+    return int(pytest.main(pytest_args, plugins=[RankPlugin(Path(events), deselect)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

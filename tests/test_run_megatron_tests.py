@@ -1,0 +1,312 @@
+"""scripts/run_megatron_tests.py, the harness that runs Megatron-LM's own unit tests on CPU through the
+adapter, against a fake Megatron-LM checkout built here: its conftest and Utils spell CUDA as Megatron's
+do (``backend='nccl'``, ``torch.cuda.set_device``, ``.cuda()``, a TE-version autouse fixture), and its
+tests pass, fail, need Transformer Engine, run a 2-rank collective, fail on one rank only, or hang.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from scripts import megatron_skip_rules as rules
+from scripts import run_megatron_tests as harness
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONFTEST = '''
+import os
+
+import pytest
+import torch
+
+from megatron.core.utils import is_te_min_version
+from tests.unit_tests.test_utilities import Utils
+
+
+@pytest.fixture(scope="function", autouse=True)
+def set_env():
+    if is_te_min_version("1.3"):
+        os.environ["NVTE_FLASH_ATTN"] = "0"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cleanup():
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+'''
+
+UTILITIES = '''
+import os
+
+import torch
+
+
+class Utils:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    @staticmethod
+    def initialize_distributed():
+        if not torch.distributed.is_initialized():
+            torch.cuda.set_device(Utils.rank % torch.cuda.device_count())
+            torch.distributed.init_process_group(backend="nccl", world_size=Utils.world_size, rank=Utils.rank)
+'''
+
+BASIC = '''
+import torch
+
+from tests.unit_tests.test_utilities import Utils
+
+
+def test_passes():
+    assert torch.ones(2).cuda().sum().item() == 2
+
+
+def test_fails():
+    assert 1 + 1 == 3, "arithmetic"
+
+
+def test_needs_te():
+    import transformer_engine  # noqa: F401
+
+
+def test_collective():
+    Utils.initialize_distributed()
+    total = torch.ones(1).cuda()
+    torch.distributed.all_reduce(total)
+    assert total.item() == Utils.world_size
+
+
+def test_fails_on_rank_1():
+    assert Utils.rank != 1, "rank 1 disagrees"
+'''
+
+# a directory without __init__.py, as Megatron's tests/unit_tests/distributed: pytest imports the file as a
+# top-level module of its own name
+OUTSIDE_PACKAGE = '''
+import torch
+
+
+def test_cuda_in_a_file_outside_the_package():
+    assert [torch.nn.Linear(2, 2).cuda() for _ in range(2)][1].weight.is_cuda
+'''
+
+HANG = '''
+import time
+
+
+def test_hangs():
+    time.sleep(3600)
+
+
+def test_after_the_hang():
+    pass
+'''
+
+BACKEND = '''
+import os
+
+import torch
+
+from tests.unit_tests.test_utilities import Utils
+
+
+def test_routed_to_the_backend():
+    Utils.initialize_distributed()
+    backend = os.environ["ADAPTER_BACKEND"]
+    assert torch.cuda.is_available() == (backend == "npu")
+    assert torch.distributed.get_backend() == {"cpu": "gloo", "npu": "hccl"}[backend]
+'''
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """A fake Megatron-LM checkout: tests/unit_tests with Megatron's shape (a ``tests`` package, as this
+    repository's own, which the ranks must not import)."""
+    root = tmp_path_factory.mktemp("Megatron-LM")
+    unit = root / "tests" / "unit_tests"
+    unit.mkdir(parents=True)
+    for path, text in {"tests/__init__.py": "", "tests/unit_tests/__init__.py": "",
+                       "tests/unit_tests/conftest.py": CONFTEST, "tests/unit_tests/test_utilities.py": UTILITIES,
+                       "tests/unit_tests/test_basic.py": BASIC, "tests/unit_tests/test_backend.py": BACKEND,
+                       "tests/unit_tests/hang/test_hang.py": HANG,
+                       "tests/unit_tests/nopackage/test_outside.py": OUTSIDE_PACKAGE}.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(textwrap.dedent(text))
+    return root
+
+
+def run_harness(checkout: Path, *args: str, timeout: float = 240) -> tuple[int, list[str], dict]:
+    """The harness as a user runs it: (exit status, output lines, JSON report)."""
+    report = checkout / f"report-{abs(hash(args))}.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_megatron_tests.py"), "--megatron-lm",
+                           str(checkout), "--json", str(report), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout)
+    lines = done.stdout.strip().splitlines()
+    assert lines, done.stderr[-3000:]
+    return done.returncode, lines, json.loads(report.read_text())
+
+
+@pytest.fixture(scope="module")
+def basic_run(checkout):
+    return run_harness(checkout, "--nproc", "2", "--timeout", "120", "tests/unit_tests/test_basic.py",
+                       "tests/unit_tests/nopackage")
+
+
+# ---------------------------------------------------------------- the harness on the fake checkout
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_last_line_counts_and_exit_status(basic_run):
+    status, lines, report = basic_run
+    assert lines[-1] == "3 passed, 2 failed, 1 skipped"
+    assert status == 1
+    assert report["directories"] == {"tests/unit_tests": {"passed": 2, "failed": 2, "skipped": 1},
+                                     "tests/unit_tests/nopackage": {"passed": 1, "failed": 0, "skipped": 0}}
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_routed_test_code_and_collective_pass_on_both_ranks(basic_run):
+    tests = basic_run[2]["tests"]
+    for name in ("test_basic.py::test_passes", "test_basic.py::test_collective",
+                 "nopackage/test_outside.py::test_cuda_in_a_file_outside_the_package"):
+        assert tests[f"tests/unit_tests/{name}"]["ranks"] == {"0": "passed", "1": "passed"}
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_transformer_engine_test_is_skipped_with_the_reason(basic_run):
+    _, lines, report = basic_run
+    outcome = report["tests"]["tests/unit_tests/test_basic.py::test_needs_te"]
+    assert outcome["outcome"] == "skipped"
+    assert outcome["reason"].startswith("CUDA-only: Transformer Engine")
+    assert any(line.startswith("SKIPPED tests/unit_tests/test_basic.py::test_needs_te - CUDA-only: Transformer "
+                               "Engine") for line in lines)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_failure_on_one_rank_fails_the_test(basic_run):
+    _, lines, report = basic_run
+    outcome = report["tests"]["tests/unit_tests/test_basic.py::test_fails_on_rank_1"]
+    assert outcome["outcome"] == "failed"
+    assert outcome["ranks"] == {"0": "passed", "1": "failed"}
+    assert "rank 1: AssertionError: rank 1 disagrees" in outcome["reason"]
+    assert any(line.startswith("FAILED tests/unit_tests/test_basic.py::test_fails - rank 0: AssertionError: "
+                               "arithmetic") for line in lines)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_hung_test_is_killed_counted_failed_and_the_rest_still_run(checkout):
+    status, lines, report = run_harness(checkout, "--nproc", "2", "--timeout", "30",
+                                        "tests/unit_tests/hang/test_hang.py")
+    assert lines[-1] == "1 passed, 1 failed, 0 skipped"
+    assert status == 1
+    hung = report["tests"]["tests/unit_tests/hang/test_hang.py::test_hangs"]
+    assert hung["outcome"] == "failed" and hung["reason"].startswith("killed: no rank reported progress")
+    assert "in test_hangs" in hung["reason"]  # where the rank's stack dump says it was
+    assert report["tests"]["tests/unit_tests/hang/test_hang.py::test_after_the_hang"]["outcome"] == "passed"
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["cpu", "npu"])
+def test_backend_routes_the_tests_nccl_and_torch_cuda(checkout, backend):
+    status, lines, _ = run_harness(checkout, "--nproc", "2", "--backend", backend,
+                                   "tests/unit_tests/test_backend.py")
+    assert (status, lines[-1]) == (0, "1 passed, 0 failed, 0 skipped"), lines
+
+
+def test_not_a_checkout_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--megatron-lm", str(tmp_path)])
+
+
+# ---------------------------------------------------------------- folding ranks, without ranks
+def _events(*reports) -> list[dict]:
+    out = []
+    for nodeid, when, outcome in reports:
+        if when == "setup":
+            out.append({"event": "start", "nodeid": nodeid})
+        out.append({"event": "report", "nodeid": nodeid, "when": when, "outcome": outcome,
+                    "reason": "boom" if outcome == "failed" else ""})
+    return out
+
+
+def test_a_test_finished_only_on_some_ranks_is_not_folded_and_its_running_rank_is_known():
+    whole = [("t::a", "setup", "passed"), ("t::a", "call", "passed"), ("t::a", "teardown", "passed")]
+    done0, running0, _ = harness.rank_results(_events(*whole))
+    done1, running1, last = harness.rank_results(_events(*whole, ("t::b", "setup", "passed")))
+    assert (set(running0), running1, last) == (set(), {"t::b"}, "t::b")
+    folded = harness.fold_ranks([done0, done1])
+    assert set(folded) == {"t::a"} and folded["t::a"].outcome == "passed"
+    hung = harness.unfinished([running0, running1], killed=True, statuses=[None, None], where=["", "f.py:3"])
+    assert hung["t::b"].outcome == "failed" and hung["t::b"].reason.endswith("(hung on rank 1 at f.py:3)")
+
+
+def test_fold_failed_beats_skipped_beats_passed():
+    passed, skipped, failed = (harness.Outcome(o, o) for o in ("passed", "skipped", "failed"))
+    folded = harness.fold_ranks([{"x": passed, "y": skipped, "z": skipped},
+                                 {"x": skipped, "y": failed, "z": skipped}])
+    assert {k: v.outcome for k, v in folded.items()} == {"x": "skipped", "y": "failed", "z": "skipped"}
+    assert folded["y"].reason == "rank 1: failed"
+
+
+def test_report_ends_with_the_count_line():
+    lines = []
+    out = types.SimpleNamespace(write=lambda s: lines.append(s))
+    failures = harness.report({"a": harness.Outcome("passed"), "b": harness.Outcome("skipped", "why")}, out=out)
+    assert failures == 0
+    assert "".join(lines).splitlines()[-1] == "1 passed, 0 failed, 1 skipped"
+
+
+# ---------------------------------------------------------------- the skip rules
+def _item(source: str, params: dict | None = None, directory: Path | None = None):
+    """A stand-in for a collected pytest item whose function has ``source`` (in a file, for inspect)."""
+    namespace: dict = {}
+    if directory is not None:
+        path = directory / f"fake_{abs(hash(source))}.py"
+        path.write_text(textwrap.dedent(source))
+        exec(compile(path.read_text(), str(path), "exec"), namespace)
+    else:
+        exec(textwrap.dedent(source), namespace)
+    fn = next(v for k, v in namespace.items() if k.startswith("test"))
+    return types.SimpleNamespace(function=fn, cls=None,
+                                 callspec=types.SimpleNamespace(params=params) if params else None)
+
+
+@pytest.mark.parametrize("params, need", [
+    ({"use_te": True}, "Transformer Engine"), ({"spec": "te"}, "Transformer Engine"),
+    ({"fp8": "e4m3"}, "FP8"), ({"use_cudagraphable_rng": True}, "CUDA graphs"),
+    ({"use_te": False, "fp8": None, "cuda_graph_impl": "none"}, None)])
+def test_parameters_decide_a_skip(params, need, monkeypatch):
+    monkeypatch.setattr(rules, "code_of_test", lambda item: "")
+    reason = rules.cuda_only_need(_item("def test_x(): pass", params))
+    assert (reason or "").startswith(need or "") and (reason is None) == (need is None)
+
+
+@pytest.mark.parametrize("body, need", [
+    ("spec = get_gpt_layer_with_transformer_engine_spec()", "Transformer Engine"),
+    ("layer = TELayerNormColumnParallelLinear", "Transformer Engine"),
+    ("config = dict(fp8='hybrid')", "FP8"), ("config = dict(cuda_graph_impl='local')", "CUDA graphs"),
+    ("TEST = dict(fp8=None, cuda_graph_impl='none')", None)])
+def test_source_rules_name_what_the_code_asks_for(tmp_path, body, need):
+    reason = rules.cuda_only_need(_item(f"def test_x():\n    {body}\n", directory=tmp_path))
+    assert (reason or "").startswith(need or "") and (reason is None) == (need is None)
+
+
+def test_runtime_errors_that_only_miss_a_cuda_library_are_named():
+    assert rules.missing_library("ModuleNotFoundError: No module named 'transformer_engine'").startswith(
+        "Transformer Engine")
+    assert rules.missing_library("TypeError: '>=' not supported between instances of 'NoneType' and 'Version'")
+    assert rules.missing_library("RuntimeError: Torch not compiled with CUDA enabled") is None
