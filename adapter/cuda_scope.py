@@ -55,14 +55,15 @@ def _nested(code: types.CodeType):
     return (c for c in code.co_consts if isinstance(c, types.CodeType))
 
 
-def _strings(code: types.CodeType) -> list:
+@functools.lru_cache(maxsize=8192)
+def _strings(code: types.CodeType) -> frozenset:
     """The string constants of ``code``, those the compiler folded into tuples and frozensets included
-    (``x in ["cuda", "cpu"]`` compiles to a tuple constant)."""
-    found = [c for c in code.co_consts if type(c) is str]
+    (``x in ["cuda", "cpu"]`` compiles to a tuple constant). Cached: three rules read them, at import."""
+    found = {c for c in code.co_consts if type(c) is str}
     for constant in code.co_consts:
         if type(constant) in (tuple, frozenset):
-            found.extend(c for c in constant if type(c) is str)
-    return found
+            found.update(c for c in constant if type(c) is str)
+    return frozenset(found)
 
 
 @functools.lru_cache(maxsize=4096)
