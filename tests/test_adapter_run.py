@@ -33,7 +33,8 @@ def child(queue):
     import megatron.training
     queue.put({"adapter_before_main": ADAPTER_BEFORE_MAIN, "core": megatron.core.__file__,
                "training": megatron.training.__file__, "pythonpath": os.environ["PYTHONPATH"],
-               "patch": adapter.registry.status("megatron.core.tensor_parallel.random:torch"),
+               "patch": adapter.registry.status("megatron:*"),
+               "routed": megatron.core.tensor_parallel.random.torch.cuda is adapter.device,
                "shadowed_sitecustomize_ran": os.environ.get("SHADOWED_SITECUSTOMIZE_RAN")})
 
 
@@ -108,7 +109,7 @@ def test_spawned_children_import_the_adapter_first_and_the_installed_megatron_co
     assert child["shadowed_sitecustomize_ran"] == "1"
     assert child["core"] == str(installed_megatron_core() / "__init__.py")
     assert child["training"] == str(checkout / "megatron" / "training" / "__init__.py")
-    assert child["patch"] == "applied"
+    assert child["patch"] == "applied" and child["routed"] is True
 
 
 def test_the_hook_goes_first_on_the_childrens_pythonpath_once(monkeypatch):
