@@ -130,14 +130,25 @@ def routed_backend() -> types.ModuleType:
     return _View(torch, "torch.cuda and backend='nccl' routed", {"cuda": device, "distributed": routed_distributed()})
 
 
+def _as_at_call_time(module: types.ModuleType, name: str):
+    """``module.name`` looked up when called, so a monkeypatch or ``mock.patch`` of it is still seen through a
+    view (group constructors run once per group: the lookup costs nothing that matters)."""
+
+    @functools.wraps(getattr(module, name))
+    def call(*args, **kwargs):
+        return getattr(module, name)(*args, **kwargs)
+
+    return call
+
+
 @functools.lru_cache(maxsize=None)
 def routed_distributed() -> types.ModuleType:
     """torch.distributed, with ``backend="nccl"`` of its group constructors mapped to this backend's."""
     import torch.distributed as dist
 
-    return _View(dist, "backend='nccl' routed", {name: _with_routed_keyword(getattr(dist, name), "backend",
-                                                                             route_backend)
-                                                 for name in _GROUP_CONSTRUCTORS if hasattr(dist, name)})
+    return _View(dist, "backend='nccl' routed", {
+        name: _with_routed_keyword(_as_at_call_time(dist, name), "backend", route_backend)
+        for name in _GROUP_CONSTRUCTORS if hasattr(dist, name)})
 
 
 @functools.lru_cache(maxsize=None)
