@@ -14,24 +14,17 @@ _CONFIGS = ("megatron.core.transformer.transformer_config:TransformerConfig.__po
 _NVSHMEM_REFIT = "megatron.core.resharding.refit:get_or_create_service"
 
 
-def refuse_configured(post_init):
-    """The config is checked before megatron's own checks run, so the refusal is the first thing said."""
+def refuse_configured(configure):
+    """For a config's ``__post_init__`` and for Megatron-LM's ``validate_args``: what they configure (the
+    config, or the args namespace) is checked before megatron's own checks run, so the refusal is the first
+    thing said."""
 
-    @functools.wraps(post_init)
-    def checked(self, *args, **kwargs):
-        cuda_only_features.check(self)
-        return post_init(self, *args, **kwargs)
+    @functools.wraps(configure)
+    def checked(source, *args, **kwargs):
+        cuda_only_features.check(source)
+        return configure(source, *args, **kwargs)
 
     return checked
-
-
-def refuse_configured_args(validate_args):
-    @functools.wraps(validate_args)
-    def validate(args, *rest, **kwargs):
-        cuda_only_features.check(args)
-        return validate_args(args, *rest, **kwargs)
-
-    return validate
 
 
 def _refuse_constructing(feature: cuda_only_features.Feature, target: str):
@@ -61,7 +54,7 @@ def register(registry, versions: str) -> None:
     for target in _CONFIGS:
         registry.wrap(target, refuse_configured, versions=versions, backends=OFF_CUDA,
                       reason="CUDA-only features (CUDA graphs, fp8, Megatron-FSDP, ...) refused where configured")
-    registry.wrap("megatron.training.arguments:validate_args", refuse_configured_args, versions=versions,
+    registry.wrap("megatron.training.arguments:validate_args", refuse_configured, versions=versions,
                   backends=OFF_CUDA, reason="CUDA-only features refused before any rank does work")
     registry.wrap(_NVSHMEM_REFIT, refuse_nvshmem_refit, versions=versions, backends=OFF_CUDA,
                   reason="the NVSHMEM copy service copies between CUDA devices")

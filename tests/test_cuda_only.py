@@ -9,7 +9,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 import adapter  # noqa: F401 - applies the refusals
 from adapter.cuda_only_features import FEATURES, CudaOnlyFeatureError
-from patches.cuda_only import refuse_configured_args, refuse_nvshmem_refit
+from patches.cuda_only import refuse_configured, refuse_nvshmem_refit
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 TRANSFORMER = [("enable_cuda_graph", True), ("external_cuda_graph", True), ("cuda_graph_impl", "local"),
@@ -47,7 +47,7 @@ def test_ddp_config_refuses(setting, value):
 @pytest.mark.parametrize("setting, value", TRANSFORMER + DDP + ARGS_ONLY)
 def test_megatron_lm_arguments_are_refused_before_validate_args_runs(setting, value):
     ran = []
-    validate = refuse_configured_args(ran.append)
+    validate = refuse_configured(ran.append)
     _refused(lambda: validate(types.SimpleNamespace(**{setting: value})), setting, value)
     assert ran == []
 
@@ -55,7 +55,7 @@ def test_megatron_lm_arguments_are_refused_before_validate_args_runs(setting, va
 def test_defaults_and_the_ways_that_run_off_cuda_are_not_refused():
     TransformerConfig(**TINY, cuda_graph_impl="none")
     DistributedDataParallelConfig(use_distributed_optimizer=True)
-    validate = refuse_configured_args(lambda args: "validated")
+    validate = refuse_configured(lambda args: "validated")
     args = types.SimpleNamespace(profile=True, use_pytorch_profiler=True, refit_method="gloo", fp8=None)
     assert validate(args) == "validated"
 
