@@ -9,6 +9,10 @@ the CPU, while ``torch.cuda`` itself stays untouched for every other library in 
 CPU semantics, chosen so megatron's device code runs unchanged on CPU:
 - ``current_device()`` is ``torch.device("cpu")``: factories and ``.to()`` accept it where megatron passes
   ``device=torch.cuda.current_device()`` (an integer would name an accelerator that is not there);
+- ``is_available()`` is True: the backend's device (here the CPU) is there, so code written as
+  ``if torch.cuda.is_available(): x = x.cuda()`` takes the path its author meant, with ``cuda`` meaning
+  this backend's device as everywhere else in routed code. ``has_accelerator()`` is the adapter's own
+  question (pinned memory, weight initialisation on the host, memory counters);
 - the RNG is the CPU default generator, since dropout on CPU draws from it;
 - synchronize is a no-op, memory counters read 0 (the CPU allocator keeps no such statistics).
 """
@@ -31,7 +35,13 @@ def _accel():
 
 
 def is_available() -> bool:
-    """Whether an accelerator backs this process (False on cpu), as megatron asks torch.cuda."""
+    """``torch.cuda.is_available()`` in routed code: whether this backend's device is there. Always: a
+    backend is chosen only when its device is, and on cpu the device is the CPU (see the module docstring)."""
+    return True
+
+
+def has_accelerator() -> bool:
+    """Whether an accelerator (not the CPU) backs this process."""
     return _backend.current().is_accelerator
 
 

@@ -23,18 +23,6 @@ OFF_CUDA = ("cpu", "npu")
 _T = "megatron.training."
 
 
-def allow_no_cuda_on_cpu(initialize_megatron):
-    """initialize_megatron asserts torch.cuda.is_available() unless ``allow_no_cuda``. The cpu backend has
-    no accelerator by design; on npu the routed is_available() answers for the NPU."""
-
-    @functools.wraps(initialize_megatron)
-    def initialize(*args, **kwargs):
-        kwargs["allow_no_cuda"] = True
-        return initialize_megatron(*args, **kwargs)
-
-    return initialize
-
-
 def signal_handler_device(local_rank=None):
     """dist_signal_handler all-gathers the exit-signal flag on cuda for nccl and on cpu for gloo, and leaves
     the device unset for any other backend (hccl). Here: cpu for gloo groups, else this backend's device."""
@@ -173,8 +161,6 @@ def _refuse_batch_invariant_mode(module) -> None:
 
 
 def register(registry, versions: str) -> None:
-    registry.wrap(f"{_T}initialize:initialize_megatron", allow_no_cuda_on_cpu, versions=versions,
-                  backends=("cpu",), reason="asserts torch.cuda.is_available(); the cpu backend has no accelerator")
     registry.wrap(f"{_T}arguments:validate_args", backend_collectives, versions=versions, backends=OFF_CUDA,
                   reason="--distributed-backend defaults to nccl and cannot say hccl")
     registry.wrap(f"{_T}arguments:validate_args", one_connection_off_cuda, versions=versions,

@@ -170,7 +170,7 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, args: argparse
         raise ValueError(f"--dataloader-type {kind!r} is not supported; use single or cyclic")
     workers = getattr(args, "num_workers", 2)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                       pin_memory=device.is_available(), persistent_workers=workers > 0)
+                                       pin_memory=device.has_accelerator(), persistent_workers=workers > 0)
 
 
 # ---------------------------------------------------------------- batches

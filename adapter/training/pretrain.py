@@ -87,7 +87,7 @@ def transformer_config_overrides(args) -> dict:
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         masked_softmax_fusion=args.masked_softmax_fusion, bias_activation_fusion=args.bias_swiglu_fusion,
         apply_rope_fusion=args.apply_rope_fusion, cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
-        attention_softmax_in_fp32=True, use_cpu_initialization=not adapter.device.is_available(),
+        attention_softmax_in_fp32=True, use_cpu_initialization=not adapter.device.has_accelerator(),
         deallocate_pipeline_outputs=True, **recompute)
 
 

@@ -25,7 +25,7 @@ def model_flops_per_token(model, seq_length: int) -> float:
 
 
 def memory_summary() -> str:
-    if device.is_available():
+    if device.has_accelerator():
         gib = 2**30
         return (f"mem allocated (GiB): {device.memory_allocated() / gib:.2f} | "
                 f"max allocated (GiB): {device.max_memory_allocated() / gib:.2f}")
