@@ -51,45 +51,75 @@ def _is_device_string(value) -> bool:
     return isinstance(value, str) and (value == "cuda" or value.startswith("cuda:") or value == "nccl")
 
 
-def _nested(code: types.CodeType):
-    return (c for c in code.co_consts if isinstance(c, types.CodeType))
-
-
-@functools.lru_cache(maxsize=8192)
-def _strings(code: types.CodeType) -> frozenset:
+def _strings(code: types.CodeType) -> set:
     """The string constants of ``code``, those the compiler folded into tuples and frozensets included
-    (``x in ["cuda", "cpu"]`` compiles to a tuple constant). Cached: three rules read them, at import."""
+    (``x in ["cuda", "cpu"]`` compiles to a tuple constant)."""
     found = {c for c in code.co_consts if type(c) is str}
     for constant in code.co_consts:
         if type(constant) in (tuple, frozenset):
             found.update(c for c in constant if type(c) is str)
-    return frozenset(found)
-
-
-@functools.lru_cache(maxsize=4096)
-def spells_device_strings(code: types.CodeType) -> bool:
-    """Whether ``code``, or code nested in it, holds ``"cuda"``, ``"cuda:N"`` or ``"nccl"``: its module
-    gets the view that maps device and backend strings."""
-    return any(map(_is_device_string, _strings(code))) or any(map(spells_device_strings, _nested(code)))
+    return found
 
 
 _GROUP_CONSTRUCTOR_NAMES = frozenset(torch_view._GROUP_CONSTRUCTORS)
+# What a code object (with the code nested in it) spells, as bits: each rule below asks for some of them.
+_DEVICE_STRINGS, _NCCL, _HANDS_ON_BACKEND, _TENSOR_CALLS = 1, 2, 4, 8
 
 
-@functools.lru_cache(maxsize=4096)
+def _own_facts(code: types.CodeType) -> int:
+    strings, names = _strings(code), code.co_names
+    facts = _DEVICE_STRINGS if any(map(_is_device_string, strings)) else 0
+    if "nccl" in strings:
+        facts |= _NCCL
+    if "backend" in strings and not _GROUP_CONSTRUCTOR_NAMES.isdisjoint(names):
+        facts |= _HANDS_ON_BACKEND
+    if ("is_cuda" in names or any(map(_CUDA_TYPE_NAME.match, strings))
+            or (("cuda" in names or "to" in names) and _tensor_method_here(code))):
+        facts |= _TENSOR_CALLS
+    return facts
+
+
+_FACTS: dict[int, tuple] = {}  # id(code) -> (code, facts): code objects stay alive while cached
+
+
+def _facts(code: types.CodeType) -> int:
+    """The facts of ``code`` and of all code nested in it, found in one walk and cached by identity.
+    (``functools.lru_cache`` would hash each code object, and a code object's hash covers its nested
+    code: asking for every function of a module would hash the module's code over and over.)"""
+    hit = _FACTS.get(id(code))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    facts = _own_facts(code)
+    for constant in code.co_consts:
+        if type(constant) is types.CodeType:
+            facts |= _facts(constant)
+    _FACTS[id(code)] = (code, facts)
+    return facts
+
+
+def spells_device_strings(code: types.CodeType) -> bool:
+    """Whether ``code``, or code nested in it, holds ``"cuda"``, ``"cuda:N"`` or ``"nccl"``: its module
+    gets the view that maps device and backend strings."""
+    return bool(_facts(code) & _DEVICE_STRINGS)
+
+
 def hands_on_backend(code: types.CodeType) -> bool:
     """Whether ``code``, or code nested in it, calls a torch.distributed group constructor with a
     ``backend=`` keyword (keyword names are string constants): its module gets a torch.distributed that maps
     ``"nccl"``, since the name may come from its caller."""
-    return (not _GROUP_CONSTRUCTOR_NAMES.isdisjoint(code.co_names) and "backend" in _strings(code)) or any(
-        map(hands_on_backend, _nested(code)))
+    return bool(_facts(code) & _HANDS_ON_BACKEND)
 
 
-@functools.lru_cache(maxsize=4096)
 def names_backend(code: types.CodeType) -> bool:
     """Whether ``code``, or code nested in it, holds ``"nccl"`` or hands a backend on: its module's
     torch.distributed maps ``"nccl"``; other modules keep the real one (``mock.patch`` reaches it)."""
-    return "nccl" in _strings(code) or hands_on_backend(code) or any(map(names_backend, _nested(code)))
+    return bool(_facts(code) & (_NCCL | _HANDS_ON_BACKEND))
+
+
+def spells_tensor_calls(code: types.CodeType) -> bool:
+    """Whether ``code``, or code nested in it, spells CUDA in a tensor method: ``.cuda()``, ``.is_cuda``, a
+    ``'torch.cuda.*Tensor'`` type name (compared with ``t.type()``), ``.to("cuda")``."""
+    return bool(_facts(code) & _TENSOR_CALLS)
 
 
 def view_kind(code: types.CodeType) -> str:
@@ -184,17 +214,6 @@ def _tensor_method_here(code: types.CodeType) -> bool:
         return True
     return "to" in names and any(after is not None and after[0] == "LOAD_CONST" and _is_device_string(after[1])
                                  and after[1] != "nccl" for _, after in _attribute_loads(code, "to"))
-
-
-@functools.lru_cache(maxsize=4096)
-def spells_tensor_calls(code: types.CodeType) -> bool:
-    """Whether ``code``, or code nested in it, spells CUDA in a tensor method: ``.cuda()``, ``.is_cuda``, a
-    ``'torch.cuda.*Tensor'`` type name (compared with ``t.type()``), ``.to("cuda")``."""
-    names = code.co_names
-    return ("is_cuda" in names
-            or any(map(_CUDA_TYPE_NAME.match, _strings(code)))
-            or (("cuda" in names or "to" in names) and _tensor_method_here(code))
-            or any(map(spells_tensor_calls, _nested(code))))
 
 
 # ---------------------------------------------------------------------------------------- scopes

@@ -4,13 +4,13 @@ change it makes, with the reason for each.
 Each submodule registers one concern; ``adapter.registry.status(target)`` tells what became of a patch.
 """
 
-from . import (cuda_only, cuda_routing, dist_checkpointing_devices, distrib_optimizer_checkpoint, kernels, megatron_lm,
-               multi_tensor, process_groups, rng, torch_optimizers)
+from . import (cuda_only, cuda_routing, dist_checkpointing_devices, distrib_optimizer_checkpoint, gloo_collectives,
+               kernels, megatron_lm, multi_tensor, process_groups, rng, torch_optimizers)
 
 CHECKED_MEGATRON_CORE = "==0.16.1"
 
 
 def register_all(registry) -> None:
     for concern in (cuda_routing, cuda_only, rng, torch_optimizers, distrib_optimizer_checkpoint,
-                    dist_checkpointing_devices, multi_tensor, process_groups, kernels, megatron_lm):
+                    dist_checkpointing_devices, gloo_collectives, multi_tensor, process_groups, kernels, megatron_lm):
         concern.register(registry, CHECKED_MEGATRON_CORE)
