@@ -15,7 +15,11 @@ environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). In order:
    parameters alone, so every rank skips the same tests (a rank that skipped a collective would hang the
    others); failures that are only a CUDA-only library missing are reported as such skips;
 5. every outcome goes, one JSON line each and flushed at once, to EVENTS, which the launcher reads to
-   follow progress, find a hung test and fold the ranks together.
+   follow progress, find a hung test and fold the ranks together;
+6. after ``MEGATRON_TESTS_PER_SET`` tests have run (when set), the rank stops cleanly and the launcher
+   starts a fresh set for the rest: megatron's ``destroy_model_parallel`` drops its groups without
+   destroying them, and each gloo group keeps its connections and threads, so one process running a whole
+   directory ends up with thousands of threads per rank, and creating groups slows until it hangs.
 """
 
 from __future__ import annotations
@@ -40,9 +44,10 @@ else:  # run as a file: its directory is sys.path[0] until main() puts the check
 class RankPlugin:
     """Routes the tests' package, applies the skip rules and writes each outcome to the events file."""
 
-    def __init__(self, events: Path, deselect: set[str]):
+    def __init__(self, events: Path, deselect: set[str], per_set: int | None = None):
         self.events = open(events, "a", buffering=1)
         self.deselect = deselect
+        self.per_set, self.ran, self.session, self.stopped = per_set, 0, None, False
 
     def write(self, **event) -> None:
         self.events.write(json.dumps(event) + "\n")
@@ -89,8 +94,18 @@ class RankPlugin:
     def pytest_runtest_logstart(self, nodeid, location):
         self.write(event="start", nodeid=nodeid)
 
+    def pytest_sessionstart(self, session):
+        self.session = session
+
     def pytest_runtest_logreport(self, report):
         self.write(event="report", nodeid=report.nodeid, when=report.when, **outcome_of(report))
+        self.ran += report.when == "call"  # a test skipped before it ran creates no groups
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        """Every rank runs the same tests in the same order, so all stop after the same one."""
+        if self.per_set and self.ran >= self.per_set:
+            self.stopped = True
+            self.session.shouldstop = f"{self.ran} tests run in this set of ranks; a fresh set goes on"
 
     def pytest_collectreport(self, report):
         """A failed collection is an outcome; every collected module is progress (the launcher's timeout
@@ -142,7 +157,10 @@ def main(argv: list[str]) -> int:
     from adapter.core_source import prefer_installed_megatron_core
 
     prefer_installed_megatron_core()
-    return int(pytest.main(pytest_args, plugins=[RankPlugin(Path(events), deselect)]))
+    per_set = int(os.environ.get("MEGATRON_TESTS_PER_SET") or 0) or None
+    plugin = RankPlugin(Path(events), deselect, per_set)
+    status = int(pytest.main(pytest_args, plugins=[plugin]))
+    return 0 if plugin.stopped and status == pytest.ExitCode.INTERRUPTED else status
 
 
 if __name__ == "__main__":

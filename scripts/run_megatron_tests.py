@@ -12,7 +12,9 @@ the installed megatron.core, ``import adapter`` and ``adapter.route_cuda("tests"
 Megatron's tests size their groups from WORLD_SIZE (its CI runs 8 ranks); a test needing more ranks
 than it has skips itself or fails. A test passed only if it passed on every rank. When no rank reports
 progress for ``--timeout`` seconds the ranks are killed, the tests then running count as failed (hung),
-and a fresh set of ranks carries on with the tests not yet run; so does a rank that died. The last
+and a fresh set of ranks carries on with the tests not yet run; so does a rank that died. Each set of
+ranks runs at most ``--tests-per-set`` tests (gloo groups that megatron drops are never destroyed, and
+pile up in a long-lived process until creating one more hangs), then a fresh set goes on. The last
 line is ``P passed, F failed, S skipped``; the exit status is 0 exactly when F is 0.
 """
 
@@ -59,7 +61,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, nproc: int, port: int, backend: str, deselect: Path) -> dict:
+def rank_env(rank: int, nproc: int, port: int, backend: str, deselect: Path, per_set: int = 0) -> dict:
     """torchrun's environment for one rank, on the chosen backend; the torch_npu double for npu."""
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]
     if backend == "npu":
@@ -67,7 +69,8 @@ def rank_env(rank: int, nproc: int, port: int, backend: str, deselect: Path) -> 
     return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1", "ADAPTER_BACKEND": backend, "PYTHONPATH": os.pathsep.join(pythonpath),
-            "MEGATRON_TESTS_DESELECT": str(deselect), "PYTHONUNBUFFERED": "1"}
+            "MEGATRON_TESTS_DESELECT": str(deselect), "MEGATRON_TESTS_PER_SET": str(per_set),
+            "PYTHONUNBUFFERED": "1"}
 
 
 def pytest_args(args, attempt_dir: Path, rank: int) -> list[str]:
@@ -91,7 +94,8 @@ def launch(args, attempt_dir: Path, deselect: set[str]) -> list[subprocess.Popen
         command = [sys.executable, str(RANK_SCRIPT), str(args.megatron_lm), str(attempt_dir / f"rank{rank}.jsonl"),
                    *pytest_args(args, attempt_dir, rank)]
         procs.append(subprocess.Popen(command, cwd=args.megatron_lm, stdout=log, stderr=subprocess.STDOUT,
-                                      env=rank_env(rank, args.nproc, port, args.backend, deselect_file)))
+                                      env=rank_env(rank, args.nproc, port, args.backend, deselect_file,
+                                                   args.tests_per_set)))
         log.close()
     return procs
 
@@ -208,36 +212,40 @@ def unfinished(per_rank_running: list[set], killed: bool, statuses: list, where:
 
 
 # ------------------------------------------------------------------------------------------ attempts
-def run_attempt(args, attempt_dir: Path, settled: dict[str, Outcome]) -> tuple[dict, set | None]:
+def run_attempt(args, attempt_dir: Path, settled: dict[str, Outcome]) -> tuple[dict, set | None, bool]:
     """One set of ranks over the tests not yet settled: (newly settled outcomes, tests collected, None
-    when no rank finished collecting)."""
+    when no rank finished collecting; whether the set was killed or a rank died)."""
     procs = launch(args, attempt_dir, set(settled))
     killed = watch(procs, attempt_dir, args.timeout)
     statuses = [p.returncode for p in procs]
     events = [read_events(attempt_dir / f"rank{r}.jsonl") for r in range(args.nproc)]
     per_rank = [rank_results(e) for e in events]
     new = fold_ranks([done for done, _, _ in per_rank])
-    if killed or any(s not in (0, 1) for s in statuses):
+    broken = killed or any(s not in (0, 1) for s in statuses)
+    if broken:
         where = [hung_at(attempt_dir / f"rank{r}.jsonl.stack") for r in range(args.nproc)]
         running = [running for _, running, _ in per_rank]
         new.update({k: v for k, v in unfinished(running, killed, statuses, where).items() if k not in new})
     lists = [e["nodeids"] for rank in events for e in rank if e["event"] == "collected"]
-    return new, set().union(*lists) if lists else None
+    return new, set().union(*lists) if lists else None, broken
 
 
 def run_all(args, work: Path) -> dict[str, Outcome]:
-    """Attempts until every collected test is settled; an attempt that settles nothing ends the run, its
-    remaining tests failed with the first rank log's tail as the reason."""
+    """Sets of ranks until every collected test is settled. A set that stopped after ``--tests-per-set``
+    tests is followed by a fresh one; at most ``--max-attempts`` sets may end killed or with a rank dead; a
+    set that settles nothing ends the run, its remaining tests failed with the first rank log's tail."""
     settled: dict[str, Outcome] = {}
-    for attempt in range(args.max_attempts):
+    broken_sets, attempt = 0, 0
+    while True:
         attempt_dir = work / f"attempt{attempt}"
-        new, collected = run_attempt(args, attempt_dir, settled)
+        new, collected, broken = run_attempt(args, attempt_dir, settled)
         progress = set(new) - set(settled)  # a module that failed to import is reported by every attempt
         settled.update(new)
         remaining = (set(args.paths) if collected is None else collected) - set(settled)
         if not remaining:
             return settled
-        if not progress:
+        broken_sets, attempt = broken_sets + broken, attempt + 1
+        if not progress or broken_sets >= args.max_attempts:
             break
     why = f"never finished on every rank; rank 0's log ends: {_log_tail(attempt_dir / 'rank0.log')}"
     settled.update({nodeid: Outcome("failed", why) for nodeid in remaining})
@@ -293,7 +301,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="npu: the torch_npu double and a stand-in torch.npu, as a routing check")
     parser.add_argument("--timeout", type=float, default=300, help="seconds without progress before a kill")
     parser.add_argument("--markers", default=DEFAULT_MARKERS, help="pytest -m expression")
-    parser.add_argument("--max-attempts", type=int, default=20, help="fresh sets of ranks after kills")
+    parser.add_argument("--max-attempts", type=int, default=20, help="sets of ranks that may end killed or dead")
+    parser.add_argument("--tests-per-set", type=int, default=15,
+                        help="tests one set of ranks runs before a fresh set goes on (0: no limit)")
     parser.add_argument("--ignore", action="append", default=[], metavar="PATH",
                         help="a path under PATHS not to run (pytest's --ignore), relative to the checkout")
     parser.add_argument("--json", type=Path, help="write the per-test report here")

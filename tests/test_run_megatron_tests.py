@@ -100,6 +100,30 @@ def test_cuda_in_a_file_outside_the_package():
     assert [torch.nn.Linear(2, 2).cuda() for _ in range(2)][1].weight.is_cuda
 '''
 
+# each test passes only as the first test its process runs
+SETS = '''
+import os
+
+RAN = []
+
+
+def _first_in_this_process():
+    RAN.append(os.getpid())
+    assert len(RAN) == 1, f"test number {len(RAN)} in process {os.getpid()}"
+
+
+def test_one():
+    _first_in_this_process()
+
+
+def test_two():
+    _first_in_this_process()
+
+
+def test_three():
+    _first_in_this_process()
+'''
+
 HANG = '''
 import time
 
@@ -138,7 +162,7 @@ def checkout(tmp_path_factory) -> Path:
     for path, text in {"tests/__init__.py": "", "tests/unit_tests/__init__.py": "",
                        "tests/unit_tests/conftest.py": CONFTEST, "tests/unit_tests/test_utilities.py": UTILITIES,
                        "tests/unit_tests/test_basic.py": BASIC, "tests/unit_tests/test_backend.py": BACKEND,
-                       "tests/unit_tests/hang/test_hang.py": HANG,
+                       "tests/unit_tests/hang/test_hang.py": HANG, "tests/unit_tests/sets/test_sets.py": SETS,
                        "tests/unit_tests/nopackage/test_outside.py": OUTSIDE_PACKAGE}.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(textwrap.dedent(text))
@@ -216,6 +240,18 @@ def test_a_hung_test_is_killed_counted_failed_and_the_rest_still_run(checkout):
     assert hung["outcome"] == "failed" and hung["reason"].startswith("killed: no rank reported progress")
     assert "in test_hangs" in hung["reason"]  # where the rank's stack dump says it was
     assert report["tests"]["tests/unit_tests/hang/test_hang.py::test_after_the_hang"]["outcome"] == "passed"
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("per_set, last_line", [("1", "3 passed, 0 failed, 0 skipped"),
+                                                ("0", "1 passed, 2 failed, 0 skipped")])
+def test_tests_per_set_runs_each_set_in_fresh_ranks(checkout, per_set, last_line):
+    _, lines, report = run_harness(checkout, "--nproc", "2", "--tests-per-set", per_set,
+                                   "tests/unit_tests/sets/test_sets.py")
+    assert lines[-1] == last_line, lines
+    if per_set == "0":  # one set ran all three: the later two saw the first's process
+        assert "test number 2" in report["tests"]["tests/unit_tests/sets/test_sets.py::test_two"]["reason"]
 
 
 @pytest.mark.multiproc
