@@ -66,7 +66,10 @@ def rank_env(rank: int, nproc: int, port: int, backend: str, deselect: Path, per
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]
     if backend == "npu":
         pythonpath.insert(0, str(DOUBLES))
-    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+    # gloo connects a group's ranks when the group is first used, as NCCL creates its communicators: megatron
+    # builds some thirty groups per test, most never used, and connecting each at once dominated the runtime
+    lazy = {"TORCH_GLOO_LAZY_INIT": os.environ.get("TORCH_GLOO_LAZY_INIT", "1")}
+    return {**os.environ, **lazy, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1", "ADAPTER_BACKEND": backend, "PYTHONPATH": os.pathsep.join(pythonpath),
             "MEGATRON_TESTS_DESELECT": str(deselect), "MEGATRON_TESTS_PER_SET": str(per_set),
@@ -85,7 +88,7 @@ def pytest_args(args, attempt_dir: Path, rank: int) -> list[str]:
 
 def launch(args, attempt_dir: Path, deselect: set[str]) -> list[subprocess.Popen]:
     """Start the ranks of one attempt; each writes its events to ``attempt_dir/rank<R>.jsonl``."""
-    attempt_dir.mkdir(parents=True)
+    (attempt_dir / "basetemp").mkdir(parents=True)  # pytest makes each rank's --basetemp, not its parent
     deselect_file = attempt_dir / "deselect.txt"
     deselect_file.write_text("\n".join(sorted(deselect)))
     port, procs = free_port(), []
@@ -302,7 +305,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300, help="seconds without progress before a kill")
     parser.add_argument("--markers", default=DEFAULT_MARKERS, help="pytest -m expression")
     parser.add_argument("--max-attempts", type=int, default=20, help="sets of ranks that may end killed or dead")
-    parser.add_argument("--tests-per-set", type=int, default=15,
+    parser.add_argument("--tests-per-set", type=int, default=20,
                         help="tests one set of ranks runs before a fresh set goes on (0: no limit)")
     parser.add_argument("--ignore", action="append", default=[], metavar="PATH",
                         help="a path under PATHS not to run (pytest's --ignore), relative to the checkout")
