@@ -76,13 +76,20 @@ def _source(obj) -> str:
         return ""
 
 
+_SELF_CALL = re.compile(r"\bself\.(\w+)\(")
+
+
 def code_of_test(item) -> str:
-    """The test function's source and its class's set-up methods': the code that decides what it needs."""
-    parts = [_source(getattr(item, "function", None))]
+    """The test function's source, its class's set-up methods' and the class's helpers it calls as
+    ``self.helper(...)``: the code that decides what it needs."""
+    test = _source(getattr(item, "function", None))
+    parts = [test]
     cls = getattr(item, "cls", None)
-    for name in ("setup_method", "setup_class", "setUp", "setup"):
-        if cls is not None and name in vars(cls):
-            parts.append(_source(vars(cls)[name]))
+    if cls is not None:
+        helpers = sorted(set(_SELF_CALL.findall(test)))
+        for name in ["setup_method", "setup_class", "setUp", "setup", *helpers]:
+            if name in vars(cls):
+                parts.append(_source(vars(cls)[name]))
     return "\n".join(parts)
 
 

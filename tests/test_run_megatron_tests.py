@@ -350,3 +350,34 @@ def test_runtime_errors_that_only_miss_a_cuda_library_are_named():
         "Transformer Engine")
     assert rules.missing_library("TypeError: '>=' not supported between instances of 'NoneType' and 'Version'")
     assert rules.missing_library("RuntimeError: Torch not compiled with CUDA enabled") is None
+
+
+HELPER_CLASS = '''
+class TestIndexer:
+    def _create(self):
+        from megatron.core.extensions.transformer_engine import TELinear
+        return TELinear
+
+    def _unused(self):
+        return "transformer_engine"
+
+    def test_calls_a_helper(self):
+        return self._create()
+
+    def test_plain(self):
+        return 1
+'''
+
+
+def test_a_class_helper_the_test_calls_is_the_tests_code(tmp_path):
+    path = tmp_path / "fake_helpers.py"
+    path.write_text(HELPER_CLASS)
+    namespace: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    cls = namespace["TestIndexer"]
+
+    def item(name):
+        return types.SimpleNamespace(function=vars(cls)[name], cls=cls, callspec=None)
+
+    assert rules.cuda_only_need(item("test_calls_a_helper")).startswith("Transformer Engine (the test's code says")
+    assert rules.cuda_only_need(item("test_plain")) is None  # a helper it does not call is not its code
