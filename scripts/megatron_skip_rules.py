@@ -77,11 +77,13 @@ def _source(obj) -> str:
 
 
 _SELF_CALL = re.compile(r"\bself\.(\w+)\(")
+_BARE_CALL = re.compile(r"(?<![\w.])(\w+)\(")
 
 
 def code_of_test(item) -> str:
-    """The test function's source, its class's set-up methods' and the class's helpers it calls as
-    ``self.helper(...)``: the code that decides what it needs."""
+    """The test function's source, its class's set-up methods', and the helpers it calls that its own file
+    defines (``self.helper(...)`` in its class, ``helper(...)`` in its module): the code that decides what
+    it needs."""
     test = _source(getattr(item, "function", None))
     parts = [test]
     cls = getattr(item, "cls", None)
@@ -90,6 +92,11 @@ def code_of_test(item) -> str:
         for name in ["setup_method", "setup_class", "setUp", "setup", *helpers]:
             if name in vars(cls):
                 parts.append(_source(vars(cls)[name]))
+    module = getattr(item, "module", None)
+    for name in sorted(set(_BARE_CALL.findall(test))):
+        helper = vars(module).get(name) if module is not None else None
+        if inspect.isfunction(helper) and helper.__module__ == module.__name__:
+            parts.append(_source(helper))
     return "\n".join(parts)
 
 

@@ -353,6 +353,23 @@ def test_runtime_errors_that_only_miss_a_cuda_library_are_named():
 
 
 HELPER_CLASS = '''
+def _te_spec_with_groups():
+    from megatron.core.extensions.transformer_engine import TENorm
+    return TENorm
+
+
+def _plain_helper():
+    return 2
+
+
+def test_module_helper():
+    return _te_spec_with_groups()
+
+
+def test_plain_module_helper():
+    return _plain_helper()
+
+
 class TestIndexer:
     def _create(self):
         from megatron.core.extensions.transformer_engine import TELinear
@@ -369,15 +386,18 @@ class TestIndexer:
 '''
 
 
-def test_a_class_helper_the_test_calls_is_the_tests_code(tmp_path):
+def test_a_helper_the_test_calls_is_the_tests_code(tmp_path):
     path = tmp_path / "fake_helpers.py"
     path.write_text(HELPER_CLASS)
-    namespace: dict = {}
-    exec(compile(path.read_text(), str(path), "exec"), namespace)
-    cls = namespace["TestIndexer"]
+    module = types.ModuleType("fake_helpers")
+    exec(compile(path.read_text(), str(path), "exec"), vars(module))
+    cls = module.TestIndexer
 
-    def item(name):
-        return types.SimpleNamespace(function=vars(cls)[name], cls=cls, callspec=None)
+    def item(name, owner=cls):
+        return types.SimpleNamespace(function=vars(owner)[name], cls=owner if owner is cls else None,
+                                     module=module, callspec=None)
 
     assert rules.cuda_only_need(item("test_calls_a_helper")).startswith("Transformer Engine (the test's code says")
+    assert rules.cuda_only_need(item("test_module_helper", module)).startswith("Transformer Engine")
     assert rules.cuda_only_need(item("test_plain")) is None  # a helper it does not call is not its code
+    assert rules.cuda_only_need(item("test_plain_module_helper", module)) is None
