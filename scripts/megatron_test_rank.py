@@ -16,10 +16,11 @@ environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). In order:
    others); failures that are only a CUDA-only library missing are reported as such skips;
 5. every outcome goes, one JSON line each and flushed at once, to EVENTS, which the launcher reads to
    follow progress, find a hung test and fold the ranks together;
-6. after ``MEGATRON_TESTS_PER_SET`` tests have run (when set), the rank stops cleanly and the launcher
-   starts a fresh set for the rest: megatron's ``destroy_model_parallel`` drops its groups without
-   destroying them, and each gloo group keeps its connections and threads, so one process running a whole
-   directory ends up with thousands of threads per rank, and creating groups slows until it hangs.
+6. once ``MEGATRON_TESTS_MAX_GROUPS`` process groups (when set) were created in the process, the rank
+   stops cleanly and the launcher starts a fresh set for the rest: megatron's ``destroy_model_parallel``
+   drops its groups without destroying them, and each gloo group keeps its threads (and connections), so
+   one process running a whole directory ends up with thousands of threads per rank, and creating groups
+   slows until it hangs. Tests that create no groups (most of test_model_configs.py) cost no restart.
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ else:  # run as a file: its directory is sys.path[0] until main() puts the check
 class RankPlugin:
     """Routes the tests' package, applies the skip rules and writes each outcome to the events file."""
 
-    def __init__(self, events: Path, deselect: set[str], per_set: int | None = None):
+    def __init__(self, events: Path, deselect: set[str], max_groups: int | None = None):
         self.events = open(events, "a", buffering=1)
         self.deselect = deselect
-        self.per_set, self.ran, self.session, self.stopped = per_set, 0, None, False
+        self.max_groups, self.session, self.stopped = max_groups, None, False
 
     def write(self, **event) -> None:
         self.events.write(json.dumps(event) + "\n")
@@ -99,13 +100,14 @@ class RankPlugin:
 
     def pytest_runtest_logreport(self, report):
         self.write(event="report", nodeid=report.nodeid, when=report.when, **outcome_of(report))
-        self.ran += report.when == "call"  # a test skipped before it ran creates no groups
 
     def pytest_runtest_logfinish(self, nodeid, location):
-        """Every rank runs the same tests in the same order, so all stop after the same one."""
-        if self.per_set and self.ran >= self.per_set:
+        """Every rank runs the same tests in the same order and creates every group (creating one is
+        collective over all ranks), so all stop after the same test."""
+        groups = process_groups()
+        if self.max_groups and groups >= self.max_groups:
             self.stopped = True
-            self.session.shouldstop = f"{self.ran} tests run in this set of ranks; a fresh set goes on"
+            self.session.shouldstop = f"{groups} process groups in this set of ranks; a fresh set goes on"
 
     def pytest_collectreport(self, report):
         """A failed collection is an outcome; every collected module is progress (the launcher's timeout
@@ -117,6 +119,15 @@ class RankPlugin:
 
     def pytest_sessionfinish(self, session, exitstatus):
         self.write(event="finished", status=int(exitstatus))
+
+
+def process_groups() -> int:
+    """How many process groups were created since the default one was (torch's count, which names them).
+    Every rank takes part in creating every group, member or not, so every rank counts the same, where
+    the groups each rank holds differ; destroying the default group destroys them all and resets it."""
+    from torch.distributed import distributed_c10d
+
+    return getattr(getattr(distributed_c10d, "_world", None), "group_count", 0)
 
 
 def outcome_of(report) -> dict:
@@ -157,8 +168,8 @@ def main(argv: list[str]) -> int:
     from adapter.core_source import prefer_installed_megatron_core
 
     prefer_installed_megatron_core()
-    per_set = int(os.environ.get("MEGATRON_TESTS_PER_SET") or 0) or None
-    plugin = RankPlugin(Path(events), deselect, per_set)
+    max_groups = int(os.environ.get("MEGATRON_TESTS_MAX_GROUPS") or 0) or None
+    plugin = RankPlugin(Path(events), deselect, max_groups)
     status = int(pytest.main(pytest_args, plugins=[plugin]))
     return 0 if plugin.stopped and status == pytest.ExitCode.INTERRUPTED else status
 

@@ -12,9 +12,10 @@ the installed megatron.core, ``import adapter`` and ``adapter.route_cuda("tests"
 Megatron's tests size their groups from WORLD_SIZE (its CI runs 8 ranks); a test needing more ranks
 than it has skips itself or fails. A test passed only if it passed on every rank. When no rank reports
 progress for ``--timeout`` seconds the ranks are killed, the tests then running count as failed (hung),
-and a fresh set of ranks carries on with the tests not yet run; so does a rank that died. Each set of
-ranks runs at most ``--tests-per-set`` tests (gloo groups that megatron drops are never destroyed, and
-pile up in a long-lived process until creating one more hangs), then a fresh set goes on. The last
+and a fresh set of ranks carries on with the tests not yet run; so does a rank that died. A set of
+ranks stops after the test that leaves it holding ``--groups-per-set`` process groups (gloo groups that
+megatron drops are never destroyed, and pile up in a long-lived process until creating one more hangs),
+and a fresh set goes on. The last
 line is ``P passed, F failed, S skipped``; the exit status is 0 exactly when F is 0.
 """
 
@@ -61,7 +62,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, nproc: int, port: int, backend: str, deselect: Path, per_set: int = 0) -> dict:
+def rank_env(rank: int, nproc: int, port: int, backend: str, deselect: Path, max_groups: int = 0) -> dict:
     """torchrun's environment for one rank, on the chosen backend; the torch_npu double for npu."""
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]
     if backend == "npu":
@@ -72,7 +73,7 @@ def rank_env(rank: int, nproc: int, port: int, backend: str, deselect: Path, per
     return {**os.environ, **lazy, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1", "ADAPTER_BACKEND": backend, "PYTHONPATH": os.pathsep.join(pythonpath),
-            "MEGATRON_TESTS_DESELECT": str(deselect), "MEGATRON_TESTS_PER_SET": str(per_set),
+            "MEGATRON_TESTS_DESELECT": str(deselect), "MEGATRON_TESTS_MAX_GROUPS": str(max_groups),
             "PYTHONUNBUFFERED": "1"}
 
 
@@ -98,7 +99,7 @@ def launch(args, attempt_dir: Path, deselect: set[str]) -> list[subprocess.Popen
                    *pytest_args(args, attempt_dir, rank)]
         procs.append(subprocess.Popen(command, cwd=args.megatron_lm, stdout=log, stderr=subprocess.STDOUT,
                                       env=rank_env(rank, args.nproc, port, args.backend, deselect_file,
-                                                   args.tests_per_set)))
+                                                   args.groups_per_set)))
         log.close()
     return procs
 
@@ -234,8 +235,8 @@ def run_attempt(args, attempt_dir: Path, settled: dict[str, Outcome]) -> tuple[d
 
 
 def run_all(args, work: Path) -> dict[str, Outcome]:
-    """Sets of ranks until every collected test is settled. A set that stopped after ``--tests-per-set``
-    tests is followed by a fresh one; at most ``--max-attempts`` sets may end killed or with a rank dead; a
+    """Sets of ranks until every collected test is settled. A set that stopped at ``--groups-per-set``
+    process groups is followed by a fresh one; at most ``--max-attempts`` sets may end killed or with a rank dead; a
     set that settles nothing ends the run, its remaining tests failed with the first rank log's tail."""
     settled: dict[str, Outcome] = {}
     broken_sets, attempt = 0, 0
@@ -305,8 +306,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300, help="seconds without progress before a kill")
     parser.add_argument("--markers", default=DEFAULT_MARKERS, help="pytest -m expression")
     parser.add_argument("--max-attempts", type=int, default=20, help="sets of ranks that may end killed or dead")
-    parser.add_argument("--tests-per-set", type=int, default=20,
-                        help="tests one set of ranks runs before a fresh set goes on (0: no limit)")
+    parser.add_argument("--groups-per-set", type=int, default=400,
+                        help="process groups a set of ranks may hold before a fresh set goes on (0: no limit)")
     parser.add_argument("--ignore", action="append", default=[], metavar="PATH",
                         help="a path under PATHS not to run (pytest's --ignore), relative to the checkout")
     parser.add_argument("--json", type=Path, help="write the per-test report here")

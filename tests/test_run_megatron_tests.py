@@ -104,14 +104,20 @@ def test_cuda_in_a_file_outside_the_package():
     assert [torch.nn.Linear(2, 2).cuda() for _ in range(2)][1].weight.is_cuda
 '''
 
-# each test passes only as the first test its process runs
+# each test creates one process group, and passes only as the first test its process runs
 SETS = '''
 import os
+
+import torch
+
+from tests.unit_tests.test_utilities import Utils
 
 RAN = []
 
 
 def _first_in_this_process():
+    Utils.initialize_distributed()
+    torch.distributed.new_group([0, 1])
     RAN.append(os.getpid())
     assert len(RAN) == 1, f"test number {len(RAN)} in process {os.getpid()}"
 
@@ -250,8 +256,8 @@ def test_a_hung_test_is_killed_counted_failed_and_the_rest_still_run(checkout):
 @pytest.mark.slow
 @pytest.mark.parametrize("per_set, last_line", [("1", "3 passed, 0 failed, 0 skipped"),
                                                 ("0", "1 passed, 2 failed, 0 skipped")])
-def test_tests_per_set_runs_each_set_in_fresh_ranks(checkout, per_set, last_line):
-    _, lines, report = run_harness(checkout, "--nproc", "2", "--tests-per-set", per_set,
+def test_groups_per_set_runs_each_set_in_fresh_ranks(checkout, per_set, last_line):
+    _, lines, report = run_harness(checkout, "--nproc", "2", "--groups-per-set", per_set,
                                    "tests/unit_tests/sets/test_sets.py")
     assert lines[-1] == last_line, lines
     if per_set == "0":  # one set ran all three: the later two saw the first's process
