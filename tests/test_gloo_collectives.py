@@ -6,7 +6,7 @@ import pytest
 
 from tests.distributed import run_ranks
 
-pytestmark = [pytest.mark.multiproc]
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
 def gather_2d_across_tp(tp: int) -> dict:
