@@ -342,26 +342,29 @@ def _definitions(module: types.ModuleType):
 
 def _members(owner, namespace, module_name: str, qualname_prefix: str):
     for attr, raw in list(namespace.items()):
-        inner = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-        if getattr(inner, "__module__", None) != module_name:
+        try:
+            inner = raw.__func__ if type(raw) in (staticmethod, classmethod) else raw
+            mine = getattr(inner, "__module__", None) == module_name
+            nested = mine and isinstance(raw, type) and raw.__qualname__ == qualname_prefix + raw.__name__
+        except Exception:  # noqa: BLE001 - an object that guards its attributes is not routed (see below)
             continue
-        if isinstance(raw, type):
-            if raw.__qualname__ == qualname_prefix + raw.__name__:
-                yield from _members(raw, vars(raw), module_name, raw.__qualname__ + ".")
-        else:
+        if nested:
+            yield from _members(raw, vars(raw), module_name, raw.__qualname__ + ".")
+        elif mine and not isinstance(raw, type):
             yield owner, attr, raw
 
 
 def _function(raw):
-    """The plain function behind a function, staticmethod or classmethod (decorators unwrapped), or None."""
-    fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-    if not callable(fn):
-        return None
+    """The plain function behind a function, staticmethod or classmethod (decorators unwrapped), or None.
+    An object whose attribute access raises (megatron's ``experimental_cls`` guard raises
+    ExperimentalNotEnabledError for any attribute) is left as it is: routing must not break an import."""
     try:
-        fn = inspect.unwrap(fn)
-    except ValueError:
+        fn = raw.__func__ if type(raw) in (staticmethod, classmethod) else raw
+        fn = inspect.unwrap(fn) if callable(fn) else None
+        code = getattr(fn, "__code__", None)
+    except Exception:  # noqa: BLE001 - see the docstring
         return None
-    return fn if isinstance(getattr(fn, "__code__", None), types.CodeType) else None
+    return fn if isinstance(code, types.CodeType) else None
 
 
 def _wrap(raw, module_name: str):

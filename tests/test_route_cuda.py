@@ -55,6 +55,24 @@ FORWARDING_CODE = textwrap.dedent('''
 ''')
 
 
+# an object that raises for any attribute until a flag is set, as megatron's experimental_cls guard does
+GUARDED_CODE = textwrap.dedent('''
+    import torch
+
+
+    class Guarded:
+        def __getattribute__(self, name):
+            raise RuntimeError(f"experimental: {name}")
+
+
+    GUARD = Guarded()
+
+
+    def moved():
+        return torch.ones(1).cuda().device.type
+''')
+
+
 @pytest.fixture
 def user_packages(tmp_path, monkeypatch):
     """Two copies of the same CUDA-written package: userpkg (to be routed) and sibling (never)."""
@@ -63,6 +81,7 @@ def user_packages(tmp_path, monkeypatch):
         (tmp_path / name / "__init__.py").write_text("")
         (tmp_path / name / "train.py").write_text(USER_CODE)
         (tmp_path / name / "grid.py").write_text(FORWARDING_CODE)
+        (tmp_path / name / "guarded.py").write_text(GUARDED_CODE)
         (tmp_path / name / "plain.py").write_text("import torch\n\n\ndef initialized():\n"
                                                  "    return torch.distributed.is_initialized()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -96,6 +115,19 @@ def test_a_routed_package_runs_its_cuda_spellings_on_this_device(user_packages, 
     assert cuda_scope.routed_packages()["userpkg"] == "user"
     if order == "route-then-import":
         assert train.SEEN_AT_IMPORT == 1  # the import-time check saw the device layer (torch.cuda says 0)
+
+
+@pytest.mark.parametrize("order", ["route-then-import", "import-then-route"])
+def test_an_object_guarding_its_attributes_does_not_break_routing(user_packages, order):
+    if order == "import-then-route":
+        guarded = importlib.import_module("userpkg.guarded")
+        adapter.route_cuda("userpkg")
+    else:
+        adapter.route_cuda("userpkg")
+        guarded = importlib.import_module("userpkg.guarded")
+    assert guarded.moved() == "cpu"
+    with pytest.raises(RuntimeError, match="experimental"):
+        guarded.GUARD.anything
 
 
 def test_nothing_outside_the_named_package_changes(user_packages):
