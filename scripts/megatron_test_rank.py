@@ -147,8 +147,12 @@ def outcome_of(report) -> dict:
 
 
 def _put_checkout_first(checkout: Path) -> None:
-    """The checkout replaces this script's directory as sys.path[0], and is the cwd (pytest's rootdir)."""
+    """The checkout replaces this script's directory as sys.path[0], and is the cwd (pytest's rootdir).
+    The script's directory goes last instead: a process megatron spawns (dist_checkpointing's async save
+    starts a ``spawn`` multiprocessing Manager) imports this script again, and with it the rules."""
+    here = sys.path[0]
     sys.path[0] = str(checkout)
+    sys.path.append(here)
     os.chdir(checkout)
 
 

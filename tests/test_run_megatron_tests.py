@@ -92,6 +92,14 @@ def test_fails_on_rank_1():
 
 def test_tmp_path(tmp_path):
     (tmp_path / "written").write_text(str(Utils.rank))
+
+
+def test_spawned_manager():  # as dist_checkpointing's async save starts one
+    import multiprocessing
+
+    queue = multiprocessing.get_context("spawn").Manager().Queue()
+    queue.put(Utils.rank)
+    assert queue.get() == Utils.rank
 '''
 
 # a directory without __init__.py, as Megatron's tests/unit_tests/distributed: pytest imports the file as a
@@ -201,9 +209,9 @@ def basic_run(checkout):
 @pytest.mark.slow
 def test_last_line_counts_and_exit_status(basic_run):
     status, lines, report = basic_run
-    assert lines[-1] == "4 passed, 2 failed, 1 skipped"
+    assert lines[-1] == "5 passed, 2 failed, 1 skipped"
     assert status == 1
-    assert report["directories"] == {"tests/unit_tests": {"passed": 3, "failed": 2, "skipped": 1},
+    assert report["directories"] == {"tests/unit_tests": {"passed": 4, "failed": 2, "skipped": 1},
                                      "tests/unit_tests/nopackage": {"passed": 1, "failed": 0, "skipped": 0}}
 
 
@@ -212,6 +220,7 @@ def test_last_line_counts_and_exit_status(basic_run):
 def test_routed_test_code_and_collective_pass_on_both_ranks(basic_run):
     tests = basic_run[2]["tests"]
     for name in ("test_basic.py::test_passes", "test_basic.py::test_collective", "test_basic.py::test_tmp_path",
+                 "test_basic.py::test_spawned_manager",
                  "nopackage/test_outside.py::test_cuda_in_a_file_outside_the_package"):
         assert tests[f"tests/unit_tests/{name}"]["ranks"] == {"0": "passed", "1": "passed"}
 
