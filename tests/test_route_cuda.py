@@ -102,14 +102,19 @@ def _cuda_fails_here(call):
         call()
 
 
+def _route_and_import(module: str, order: str):
+    """``userpkg.<module>``, with userpkg routed before or after the import (``order``)."""
+    if order == "import-then-route":
+        imported = importlib.import_module(f"userpkg.{module}")
+        adapter.route_cuda("userpkg")
+        return imported
+    adapter.route_cuda("userpkg")
+    return importlib.import_module(f"userpkg.{module}")
+
+
 @pytest.mark.parametrize("order", ["route-then-import", "import-then-route"])
 def test_a_routed_package_runs_its_cuda_spellings_on_this_device(user_packages, order):
-    if order == "import-then-route":
-        train = importlib.import_module("userpkg.train")
-        adapter.route_cuda("userpkg")
-    else:
-        adapter.route_cuda("userpkg")
-        train = importlib.import_module("userpkg.train")
+    train = _route_and_import("train", order)
     assert train.place() == EXPECTED
     assert train.join(dist.HashStore()) == "gloo"
     assert cuda_scope.routed_packages()["userpkg"] == "user"
@@ -119,12 +124,7 @@ def test_a_routed_package_runs_its_cuda_spellings_on_this_device(user_packages, 
 
 @pytest.mark.parametrize("order", ["route-then-import", "import-then-route"])
 def test_an_object_guarding_its_attributes_does_not_break_routing(user_packages, order):
-    if order == "import-then-route":
-        guarded = importlib.import_module("userpkg.guarded")
-        adapter.route_cuda("userpkg")
-    else:
-        adapter.route_cuda("userpkg")
-        guarded = importlib.import_module("userpkg.guarded")
+    guarded = _route_and_import("guarded", order)
     assert guarded.moved() == "cpu"
     with pytest.raises(RuntimeError, match="experimental"):
         guarded.GUARD.anything
