@@ -178,5 +178,21 @@ def main(argv: list[str]) -> int:
     return 0 if plugin.stopped and status == pytest.ExitCode.INTERRUPTED else status
 
 
+def prepare_spawned_child() -> None:
+    """A process megatron spawns (dist_checkpointing's persistent async-save worker) imports this script
+    as ``__mp_main__`` before it unpickles its target: the child gets what its rank has, as a user's
+    process gets ``import adapter`` from the top of their training script. Without it the worker meets the
+    real ``torch.cuda`` (``set_device(rank % device_count())``), dies, and its rank waits for it forever."""
+    if os.environ.get("ADAPTER_BACKEND") == "npu":
+        npu_stand_in.install(int(os.environ.get("WORLD_SIZE", "1")))
+    import adapter
+    from adapter.core_source import prefer_installed_megatron_core
+
+    prefer_installed_megatron_core()
+    adapter.route_cuda("tests")
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+elif __name__ == "__mp_main__":
+    prepare_spawned_child()
