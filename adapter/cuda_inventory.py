@@ -6,7 +6,9 @@ megatron release shows exactly what it added. It reads source text only (``ast``
 megatron, and takes a few seconds.
 
 A site is one spelling: ``torch.cuda.X``, ``from torch.cuda import X``, a ``"cuda"`` / ``"cuda:N"`` /
-``"nccl"`` string, a ``'torch.cuda.*Tensor'`` type name, ``.cuda()``, ``.is_cuda``. Its verdict comes from
+``"nccl"`` string, a ``'torch.cuda.*Tensor'`` type name, ``.cuda()``, ``.is_cuda``, and pinned host memory
+(``.pin_memory()``, ``pin_memory=`` other than ``False``), which torch refuses without an accelerator. Its
+verdict comes from
 the rules by which ``adapter.cuda_scope`` routes every module of megatron, checked against what the device
 layer and the views really answer, then from the reasoned tables in ``adapter.cuda_sites_table``:
 
@@ -14,7 +16,8 @@ layer and the views really answer, then from the reasoned tables in ``adapter.cu
 - ``routed: strings view``: a device string given to a call the strings view routes (tensor factories'
   ``device=``, ``torch.device``, ``autocast``/``amp`` device types, ``backend=`` of group constructors);
 - ``routed: tensor calls``: a tensor-method spelling, or a ``device=`` string, inside a function the rule
-  wraps (``cuda_scope.spells_tensor_calls`` of the same function, decided here from the source);
+  wraps (``cuda_scope.spells_tensor_calls`` of the same function, decided here from the source); pinned
+  memory inside a function the rule wraps where there is no accelerator (it is real where there is one);
 - ``refused: <flag>``: code of a feature refused off CUDA when configured (``patches/cuda_only.py``);
 - ``patched: <target>``: code a registry patch replaces;
 - ``as written: <reason>``: right off CUDA as it stands (a device-type test that answers False, a default
@@ -140,6 +143,13 @@ class _Scanner(ast.NodeVisitor):
             self._add(node, ".is_cuda", "tensor")
         elif node.attr == "cuda" and dotted != "torch.cuda" and isinstance(parent, ast.Call) and parent.func is node:
             self._add(node, ".cuda()", "tensor")
+        elif node.attr == "pin_memory" and isinstance(parent, ast.Call) and parent.func is node:
+            self._add(node, ".pin_memory()", "pin")
+        self.generic_visit(node)
+
+    def visit_keyword(self, node):
+        if node.arg == "pin_memory" and not (isinstance(node.value, ast.Constant) and node.value.value is False):
+            self._add(node.value, "pin_memory=", "pin")
         self.generic_visit(node)
 
     def visit_Constant(self, node):
@@ -183,12 +193,22 @@ class _Scanner(ast.NodeVisitor):
         return "other"
 
 
-def _tensor_calls_in(function: ast.AST | None) -> bool:
+def _pins(node: ast.AST) -> bool:
+    """The source form of the rule's pinned-memory fact: ``pin_memory`` as an attribute, a keyword's name or
+    a string (what puts it in a code object's names or constants)."""
+    return (isinstance(node, ast.Attribute) and node.attr == "pin_memory") or (
+        isinstance(node, ast.keyword) and node.arg == "pin_memory") or (
+        isinstance(node, ast.Constant) and node.value == "pin_memory")
+
+
+def _tensor_calls_in(function: ast.AST | None, pins: bool = False) -> bool:
     """The source form of ``cuda_scope.spells_tensor_calls``: whether the rule wraps this function (its
-    outermost enclosing function, which is what a module defines)."""
+    outermost enclosing function, which is what a module defines); ``pins``: without an accelerator."""
     if function is None:
         return False
     for node in ast.walk(function):
+        if pins and _pins(node):
+            return True
         if isinstance(node, ast.Attribute) and node.attr == "is_cuda":
             return True
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and _CUDA_TYPE_NAME.match(node.value):
@@ -223,7 +243,7 @@ def _routed(spelling: str, wrapped: bool, context: str) -> bool:
         return _answered(spelling.split(".")[2:])
     if context in ("device", "device_type", "backend", "device-layer"):
         return True
-    return context in ("tensor", "to", "device-kw") and wrapped
+    return context in ("tensor", "to", "device-kw", "pin") and wrapped
 
 
 _RULES = {"import": "device layer", "torch.cuda": "device layer", "device-layer": "device layer",
@@ -283,13 +303,14 @@ def scan_module(source: str, path: str, module: str, replaced: frozenset = froze
     scanner = _Scanner(path)
     scanner.visit(tree)
     owners = _outermost_functions(tree)
-    wraps = {}
+    wraps = {}  # (id(function), pins) -> whether the rule wraps it
     sites = []
     for line, spelling, qualname, function, context in scanner.sites:
         outer = owners.get(id(function)) if function is not None else None
-        if outer is not None and id(outer) not in wraps:
-            wraps[id(outer)] = _tensor_calls_in(outer) and not _generator(outer)
-        wrapped = outer is not None and wraps[id(outer)]
+        key = (id(outer), context == "pin")  # a pin site is about the backend without an accelerator
+        if outer is not None and key not in wraps:
+            wraps[key] = _tensor_calls_in(outer, pins=key[1]) and not _generator(outer)
+        wrapped = outer is not None and wraps[key]
         sites.append(Site(path, line, spelling, qualname,
                           *_verdict(module, spelling, qualname, wrapped, context, replaced)))
     return sites
@@ -307,9 +328,10 @@ def _defined_functions(tree: ast.AST, prefix: str = ""):
             yield from _defined_functions(node, prefix)
 
 
-def wrapped_functions(package_dir: Path) -> set[str]:
+def wrapped_functions(package_dir: Path, pins: bool = False) -> set[str]:
     """``module:Qualname`` of every function the rule wraps to answer tensor-method spellings, decided from
-    the source; tests compare it with what routing really wraps."""
+    the source (``pins``: on a backend without an accelerator); tests compare it with what routing really
+    wraps."""
     package_dir = Path(package_dir)
     root = package_dir.parent.parent if package_dir.parent.name == "megatron" else package_dir.parent
     found = set()
@@ -317,7 +339,7 @@ def wrapped_functions(package_dir: Path) -> set[str]:
         module = ".".join(file.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         tree = ast.parse(file.read_text(encoding="utf-8"), str(file))
         found.update(f"{module}:{qualname}" for qualname, node in _defined_functions(tree)
-                     if _tensor_calls_in(node) and not _generator(node))
+                     if _tensor_calls_in(node, pins) and not _generator(node))
     return found
 
 

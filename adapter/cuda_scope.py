@@ -17,7 +17,9 @@ own packages through ``adapter.route_cuda``), and every module under it, now or 
 2. its tensor methods: each function and method defined in the module whose code spells CUDA in a tensor
    method (``.cuda()``, ``.is_cuda``, a ``'torch.cuda.*Tensor'`` type name, ``.to("cuda")``) is wrapped to
    run under ``adapter.torch_view.CudaCalls``, which answers those spellings for that module's own calls
-   only. Per-layer code spells none of them in megatron-core 0.16.1 (tests/test_cuda_inventory.py).
+   only. Per-layer code spells none of them in megatron-core 0.16.1 (tests/test_cuda_inventory.py). On a
+   backend without an accelerator (cpu), functions that pin host memory (``.pin_memory()``,
+   ``pin_memory=True``) are wrapped too: there is nothing to pin for, and torch refuses to pin.
 
 Nothing global changes: ``torch.cuda`` is the same object for every other module and library. Modules a
 routed package imported before routing began get the same, after the fact (``route`` rebinds their
@@ -63,7 +65,7 @@ def _strings(code: types.CodeType) -> set:
 
 _GROUP_CONSTRUCTOR_NAMES = frozenset(torch_view._GROUP_CONSTRUCTORS)
 # What a code object (with the code nested in it) spells, as bits: each rule below asks for some of them.
-_DEVICE_STRINGS, _NCCL, _HANDS_ON_BACKEND, _TENSOR_CALLS = 1, 2, 4, 8
+_DEVICE_STRINGS, _NCCL, _HANDS_ON_BACKEND, _TENSOR_CALLS, _PINS = 1, 2, 4, 8, 16
 
 
 def _own_facts(code: types.CodeType) -> int:
@@ -76,6 +78,8 @@ def _own_facts(code: types.CodeType) -> int:
     if ("is_cuda" in names or any(map(_CUDA_TYPE_NAME.match, strings))
             or (("cuda" in names or "to" in names) and _tensor_method_here(code))):
         facts |= _TENSOR_CALLS
+    if "pin_memory" in names or "pin_memory" in strings:  # t.pin_memory(), pin_memory= (a keyword's name)
+        facts |= _PINS
     return facts
 
 
@@ -116,10 +120,11 @@ def names_backend(code: types.CodeType) -> bool:
     return bool(_facts(code) & (_NCCL | _HANDS_ON_BACKEND))
 
 
-def spells_tensor_calls(code: types.CodeType) -> bool:
+def spells_tensor_calls(code: types.CodeType, pins: bool = False) -> bool:
     """Whether ``code``, or code nested in it, spells CUDA in a tensor method: ``.cuda()``, ``.is_cuda``, a
-    ``'torch.cuda.*Tensor'`` type name (compared with ``t.type()``), ``.to("cuda")``."""
-    return bool(_facts(code) & _TENSOR_CALLS)
+    ``'torch.cuda.*Tensor'`` type name (compared with ``t.type()``), ``.to("cuda")``; with ``pins``, also
+    pinned host memory (``t.pin_memory()``, ``pin_memory=``), which needs an accelerator to pin for."""
+    return bool(_facts(code) & (_TENSOR_CALLS | (_PINS if pins else 0)))
 
 
 def view_kind(code: types.CodeType) -> str:
@@ -375,10 +380,10 @@ def _wrap(raw, module_name: str):
 
 def _route_tensor_calls(module: types.ModuleType) -> list:
     """Wrap each function of ``module`` that spells CUDA in tensor methods; returns what was replaced."""
-    wrapped, done = [], {}
+    wrapped, done, pins = [], {}, not backend.current().is_accelerator
     for owner, name, raw in _definitions(module):
         fn = _function(raw)
-        if fn is None or getattr(raw, "__adapter_routed__", None) or not spells_tensor_calls(fn.__code__):
+        if fn is None or getattr(raw, "__adapter_routed__", None) or not spells_tensor_calls(fn.__code__, pins):
             continue
         if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn):
             continue  # a mode entered in a generator would stay on while it is suspended

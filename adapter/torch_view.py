@@ -208,7 +208,17 @@ def _type(func, args, kwargs):
     return func(*args, **kwargs)
 
 
-_ANSWERS = {torch.Tensor.cuda: _cuda, torch.Tensor.to: _to, torch.Tensor.type: _type}
+def _pin_memory(func, args, kwargs):
+    """A copy in host memory, as ``pin_memory()`` gives (megatron frees the source after); pinned only
+    where an accelerator exists to pin it for."""
+    if backend.current().is_accelerator:
+        return func(*args, **kwargs)
+    return args[0].clone(memory_format=torch.preserve_format)
+
+
+_ANSWERS = {torch.Tensor.cuda: _cuda, torch.Tensor.to: _to, torch.Tensor.type: _type,
+            torch.Tensor.pin_memory: _pin_memory}
+_ROUTED_KEYWORDS = ("device", "pin_memory")
 
 
 def calling_module(depth: int = 1) -> str:
@@ -224,7 +234,8 @@ class CudaCalls(TorchFunctionMode):
     """Answers the CUDA spellings that live in tensor methods, for calls that ``module``'s own code makes:
     ``t.cuda()`` and ``model.cuda()`` move to this backend's device, ``t.to("cuda")`` and ``device="cuda"``
     are routed, ``t.is_cuda`` says whether ``t`` is on this backend's device, ``t.type()`` gives the CUDA
-    type name there (megatron dispatches on ``'torch.cuda.FloatTensor'``). Calls from any other module pass
+    type name there (megatron dispatches on ``'torch.cuda.FloatTensor'``); without an accelerator, pinned
+    memory (``t.pin_memory()``, ``pin_memory=True``) is ordinary host memory. Calls from any other module pass
     through as written, so the mode answers for no code it was not asked to: megatron's own functions
     are each routed by their own rule, not by a caller's mode.
 
@@ -239,13 +250,17 @@ class CudaCalls(TorchFunctionMode):
         kwargs = kwargs or {}
         answer = _ANSWERS.get(func)
         getter = getattr(func, "__self__", None) is _IS_CUDA
-        if (answer is None and not getter and "device" not in kwargs) or calling_module() != self.module:
+        if (answer is None and not getter and kwargs.keys().isdisjoint(_ROUTED_KEYWORDS)) or (
+                calling_module() != self.module):
             return func(*args, **kwargs)
         if getter:
             return _on_this_device(args[0])
         if answer is not None:
             return answer(func, args, kwargs)
-        kwargs["device"] = route_device(kwargs["device"])
+        if "device" in kwargs:
+            kwargs["device"] = route_device(kwargs["device"])
+        if kwargs.get("pin_memory") and not backend.current().is_accelerator:
+            kwargs["pin_memory"] = False  # no accelerator to pin for: ordinary host memory
         return func(*args, **kwargs)
 
 

@@ -170,7 +170,7 @@ def test_routing_wraps_what_the_source_model_says_and_breaks_no_import():
     routed, plain = _probe("adapter"), _probe("plain")
     broken = {m: e for m, e in routed["failed"].items() if m in plain["ok"]}
     assert not broken, f"modules that import without the adapter but not with it: {broken}"
-    expected = {f for f in cuda_inventory.wrapped_functions(CORE) if f.partition(":")[0] in routed["ok"]}
+    expected = {f for f in cuda_inventory.wrapped_functions(CORE, pins=True) if f.partition(":")[0] in routed["ok"]}
     refused = {f for f in expected if cuda_only_features.owner(*f.split(":"), "") is not None}
     assert set(routed["wrapped"]) - expected == set()
     assert expected - refused - set(routed["wrapped"]) == set()

@@ -73,6 +73,20 @@ GUARDED_CODE = textwrap.dedent('''
 ''')
 
 
+# host copies as megatron makes them before it frees a buffer (param_and_grad_buffer.offload_to_cpu)
+PINNING_CODE = textwrap.dedent('''
+    import torch
+
+
+    def offload(buffer):
+        host = buffer.cpu().pin_memory()
+        staging = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu", pin_memory=True)
+        staging.copy_(buffer, non_blocking=True)
+        buffer.zero_()
+        return host, staging
+''')
+
+
 @pytest.fixture
 def user_packages(tmp_path, monkeypatch):
     """Two copies of the same CUDA-written package: userpkg (to be routed) and sibling (never)."""
@@ -82,6 +96,7 @@ def user_packages(tmp_path, monkeypatch):
         (tmp_path / name / "train.py").write_text(USER_CODE)
         (tmp_path / name / "grid.py").write_text(FORWARDING_CODE)
         (tmp_path / name / "guarded.py").write_text(GUARDED_CODE)
+        (tmp_path / name / "pinning.py").write_text(PINNING_CODE)
         (tmp_path / name / "plain.py").write_text("import torch\n\n\ndef initialized():\n"
                                                  "    return torch.distributed.is_initialized()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -128,6 +143,18 @@ def test_an_object_guarding_its_attributes_does_not_break_routing(user_packages,
     assert guarded.moved() == "cpu"
     with pytest.raises(RuntimeError, match="experimental"):
         guarded.GUARD.anything
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pinning is real where an accelerator exists")
+def test_pinned_host_copies_are_plain_host_copies_without_an_accelerator(user_packages):
+    """torch refuses to pin without an accelerator; routed, the copies are made in ordinary host memory,
+    still copies: megatron frees the buffer right after."""
+    with pytest.raises(RuntimeError, match="(?i)accelerator"):
+        importlib.import_module("sibling.pinning").offload(torch.arange(4.0))
+    pinning = _route_and_import("pinning", "route-then-import")
+    host, staging = pinning.offload(torch.arange(4.0))
+    assert host.tolist() == staging.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert not host.is_pinned() and not staging.is_pinned()
 
 
 def test_nothing_outside_the_named_package_changes(user_packages):
