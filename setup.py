@@ -42,7 +42,8 @@ setup(
         "cuda": ["pyyaml"],
         # Megatron-LM's training code and its unit tests (scripts/run_megatron_tests.py): six for its
         # tokenizers; requests and click for the data-download helper its conftest imports; pytest-mock
-        # and mock for tests that import them; einops for HyperCommGrid and parallel_state
-        "megatron-lm": ["six", "requests", "click", "pytest-mock", "mock", "einops"],
+        # and mock for tests that import them; einops for HyperCommGrid and parallel_state; nvtx for
+        # megatron's NVTX ranges (no-ops without a profiler); nltk for its tokenizer tests
+        "megatron-lm": ["six", "requests", "click", "pytest-mock", "mock", "einops", "nvtx", "nltk"],
     },
 )

@@ -16,11 +16,11 @@ environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). In order:
    others); failures that are only a CUDA-only library missing are reported as such skips;
 5. every outcome goes, one JSON line each and flushed at once, to EVENTS, which the launcher reads to
    follow progress, find a hung test and fold the ranks together;
-6. once ``MEGATRON_TESTS_MAX_GROUPS`` process groups (when set) were created in the process, the rank
-   stops cleanly and the launcher starts a fresh set for the rest: megatron's ``destroy_model_parallel``
-   drops its groups without destroying them, and each gloo group keeps its threads (and connections), so
-   one process running a whole directory ends up with thousands of threads per rank, and creating groups
-   slows until it hangs. Tests that create no groups (most of test_model_configs.py) cost no restart.
+6. with ``MEGATRON_TESTS_MAX_GROUPS`` set, the process groups nothing holds any more are destroyed after
+   each test (``DroppedGroups``), and once that many groups are still alive on some rank, the ranks stop
+   cleanly and the launcher starts a fresh set for the rest: each gloo group keeps its threads, so one
+   process running a whole directory would end up with thousands of threads per rank, and creating
+   groups slows until it hangs.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class RankPlugin:
         self.events = open(events, "a", buffering=1)
         self.deselect = deselect
         self.max_groups, self.session, self.stopped = max_groups, None, False
+        self.groups = DroppedGroups()
 
     def write(self, **event) -> None:
         self.events.write(json.dumps(event) + "\n")
@@ -102,12 +103,16 @@ class RankPlugin:
         self.write(event="report", nodeid=report.nodeid, when=report.when, **outcome_of(report))
 
     def pytest_runtest_logfinish(self, nodeid, location):
-        """Every rank runs the same tests in the same order and creates every group (creating one is
-        collective over all ranks), so all stop after the same test."""
-        groups = process_groups()
-        if self.max_groups and groups >= self.max_groups:
+        """Groups that nothing references any more are destroyed after each test; when the groups still
+        alive on some rank reach the limit, every rank stops after this test (the count is agreed on over
+        the default group: ranks hold different groups)."""
+        if not (self.max_groups and torch_distributed_ready()):
+            return
+        self.groups.release_dropped()
+        alive = self.groups.most_alive_on_any_rank()
+        if alive >= self.max_groups:
             self.stopped = True
-            self.session.shouldstop = f"{groups} process groups in this set of ranks; a fresh set goes on"
+            self.session.shouldstop = f"{alive} process groups alive on a rank; a fresh set goes on"
 
     def pytest_collectreport(self, report):
         """A failed collection is an outcome; every collected module is progress (the launcher's timeout
@@ -121,13 +126,52 @@ class RankPlugin:
         self.write(event="finished", status=int(exitstatus))
 
 
-def process_groups() -> int:
-    """How many process groups were created since the default one was (torch's count, which names them).
-    Every rank takes part in creating every group, member or not, so every rank counts the same, where
-    the groups each rank holds differ; destroying the default group destroys them all and resets it."""
-    from torch.distributed import distributed_c10d
+def torch_distributed_ready() -> bool:
+    import torch.distributed as dist
 
-    return getattr(getattr(distributed_c10d, "_world", None), "group_count", 0)
+    return dist.is_available() and dist.is_initialized()
+
+
+class DroppedGroups:
+    """Process groups megatron dropped, destroyed. ``destroy_model_parallel`` forgets its groups without
+    destroying them, and each gloo group keeps three threads: a rank running a whole directory would end
+    with thousands of threads, and creating groups slows until it hangs. A group nothing but torch's own
+    tables refers to can never be used again, so destroying it (which involves no other rank) changes no
+    test; a group a test, a fixture or megatron still holds is left alone."""
+
+    def __init__(self):
+        self.unreferenced = None  # sys.getrefcount of a group only torch's tables hold, measured once
+
+    def _measure(self) -> int:
+        import torch.distributed as dist
+
+        probe = dist.new_group(list(range(dist.get_world_size())))  # every rank, once: collective
+        count = sys.getrefcount(probe) - 1  # less the name ``probe``
+        dist.destroy_process_group(probe)
+        return count
+
+    def release_dropped(self) -> int:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        if self.unreferenced is None:
+            self.unreferenced = self._measure()
+        world = distributed_c10d._world
+        dropped = [pg for pg in list(world.pg_map) if pg is not world.default_pg
+                   and sys.getrefcount(pg) - 2 <= self.unreferenced]  # less ``pg`` and the list's
+        for pg in dropped:
+            dist.destroy_process_group(pg)
+        return len(dropped)
+
+    @staticmethod
+    def most_alive_on_any_rank() -> int:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        alive = torch.tensor([len(distributed_c10d._world.pg_map)])
+        dist.all_reduce(alive, op=dist.ReduceOp.MAX)
+        return int(alive)
 
 
 def outcome_of(report) -> dict:

@@ -13,10 +13,11 @@ Megatron's tests size their groups from WORLD_SIZE (its CI runs 8 ranks); a test
 than it has skips itself or fails. A test passed only if it passed on every rank. When no rank reports
 progress for ``--timeout`` seconds the ranks are killed, the tests then running count as failed (hung),
 and a fresh set of ranks carries on with the tests not yet run; so does a rank that died. A set of
-ranks stops after the test that takes the process groups it created to ``--groups-per-set`` (gloo groups
-that megatron drops are never destroyed, and pile up in a long-lived process until creating one more
-hangs), and a fresh set goes on. The last line is ``P passed, F failed, S skipped``; the exit status is
-0 exactly when F is 0.
+ranks destroys, after each test, the process groups nothing holds any more (megatron's
+``destroy_model_parallel`` drops its groups without destroying them, and each gloo group keeps three
+threads), and stops after the test that leaves ``--groups-per-set`` groups alive on a rank (in a
+long-lived process they pile up until creating one more hangs); a fresh set goes on. The last line
+is ``P passed, F failed, S skipped``; the exit status is 0 exactly when F is 0.
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ def run_attempt(args, attempt_dir: Path, settled: dict[str, Outcome]) -> tuple[d
 
 def run_all(args, work: Path) -> dict[str, Outcome]:
     """Sets of ranks until every collected test is settled. A set that stopped at ``--groups-per-set``
-    process groups created is followed by a fresh one; at most ``--max-attempts`` sets may end killed or
+    process groups alive is followed by a fresh one; at most ``--max-attempts`` sets may end killed or
     with a rank dead; a set that settles nothing ends the run, its remaining tests failed with the first
     rank log's tail."""
     settled: dict[str, Outcome] = {}
@@ -308,7 +309,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--markers", default=DEFAULT_MARKERS, help="pytest -m expression")
     parser.add_argument("--max-attempts", type=int, default=20, help="sets of ranks that may end killed or dead")
     parser.add_argument("--groups-per-set", type=int, default=400,
-                        help="process groups a set of ranks may create before a fresh set goes on (0: no limit)")
+                        help="process groups alive on a rank before a fresh set goes on (0: no limit, and "
+                             "dropped groups are not destroyed)")
     parser.add_argument("--ignore", action="append", default=[], metavar="PATH",
                         help="a path under PATHS not to run (pytest's --ignore), relative to the checkout")
     parser.add_argument("--json", type=Path, help="write the per-test report here")

@@ -112,7 +112,7 @@ def test_cuda_in_a_file_outside_the_package():
     assert [torch.nn.Linear(2, 2).cuda() for _ in range(2)][1].weight.is_cuda
 '''
 
-# each test creates one process group, and passes only as the first test its process runs
+# each test creates one process group and holds it, and passes only as the first test its process runs
 SETS = '''
 import os
 
@@ -120,12 +120,12 @@ import torch
 
 from tests.unit_tests.test_utilities import Utils
 
-RAN = []
+RAN, HELD = [], []
 
 
 def _first_in_this_process():
     Utils.initialize_distributed()
-    torch.distributed.new_group([0, 1])
+    HELD.append(torch.distributed.new_group([0, 1]))
     RAN.append(os.getpid())
     assert len(RAN) == 1, f"test number {len(RAN)} in process {os.getpid()}"
 
@@ -140,6 +140,31 @@ def test_two():
 
 def test_three():
     _first_in_this_process()
+'''
+
+# groups created and dropped, as megatron's destroy_model_parallel drops its own: destroyed after the test,
+# they count against no limit, and the next test runs in the same process
+DROPPED = '''
+import os
+
+import torch
+from torch.distributed import distributed_c10d
+
+from tests.unit_tests.test_utilities import Utils
+
+RAN = []
+
+
+def test_drops_its_groups():
+    Utils.initialize_distributed()
+    for _ in range(5):
+        torch.distributed.all_reduce(torch.ones(1), group=torch.distributed.new_group([0, 1]))
+    RAN.append(os.getpid())
+
+
+def test_runs_in_the_same_process_with_the_groups_destroyed():
+    assert RAN == [os.getpid()]
+    assert list(distributed_c10d._world.pg_map) == [distributed_c10d._world.default_pg]
 '''
 
 HANG = '''
@@ -181,6 +206,7 @@ def checkout(tmp_path_factory) -> Path:
                        "tests/unit_tests/conftest.py": CONFTEST, "tests/unit_tests/test_utilities.py": UTILITIES,
                        "tests/unit_tests/test_basic.py": BASIC, "tests/unit_tests/test_backend.py": BACKEND,
                        "tests/unit_tests/hang/test_hang.py": HANG, "tests/unit_tests/sets/test_sets.py": SETS,
+                       "tests/unit_tests/sets/test_dropped.py": DROPPED,
                        "tests/unit_tests/nopackage/test_outside.py": OUTSIDE_PACKAGE}.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(textwrap.dedent(text))
@@ -275,6 +301,14 @@ def test_groups_per_set_runs_each_set_in_fresh_ranks(checkout, per_set, last_lin
 
 @pytest.mark.multiproc
 @pytest.mark.slow
+def test_groups_nothing_holds_are_destroyed_and_cost_no_fresh_set(checkout):
+    _, lines, _ = run_harness(checkout, "--nproc", "2", "--groups-per-set", "2",
+                              "tests/unit_tests/sets/test_dropped.py")
+    assert lines[-1] == "2 passed, 0 failed, 0 skipped", lines
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cpu", "npu"])
 def test_backend_routes_the_tests_nccl_and_torch_cuda(checkout, backend):
     status, lines, _ = run_harness(checkout, "--nproc", "2", "--backend", backend,
@@ -364,7 +398,13 @@ def test_runtime_errors_that_only_miss_a_cuda_library_are_named():
     assert rules.missing_library("ModuleNotFoundError: No module named 'transformer_engine'").startswith(
         "Transformer Engine")
     assert rules.missing_library("TypeError: '>=' not supported between instances of 'NoneType' and 'Version'")
+    assert rules.missing_library("AttributeError: module 'megatron.core.fp8_utils' has no attribute "
+                                 "'_fp8_inference_wrapped_modules'").startswith("Transformer Engine")
     assert rules.missing_library("RuntimeError: Torch not compiled with CUDA enabled") is None
+    assert rules.missing_library("AttributeError: megatron asked torch.cuda.nccl, which the adapter does not "
+                                 "provide on the cpu backend.").startswith("NCCL")
+    # plain PyTorch, only not installable on this Python: a failure, not a CUDA-only skip
+    assert rules.missing_library("ModuleNotFoundError: No module named 'emerging_optimizers'") is None
 
 
 HELPER_CLASS = '''
