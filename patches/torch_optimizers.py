@@ -104,7 +104,50 @@ def fused_torch_adam(build):
 _FUSED_ADAM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+def _torch_optimizers(optimizer):
+    """The torch optimizers inside a megatron optimizer (one, or one per chained optimizer)."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            yield inner
+
+
+def learning_rate_from_the_scheduler(build):
+    """Registry wrapper for ``_get_megatron_optimizer_based_on_param_groups``.
+
+    ``OptimizerConfig.lr`` may be None: megatron's LR scheduler sets every group's ``lr`` before the
+    first step, and Transformer Engine's and apex's Adam accept None until then. torch's Adam and SGD
+    (what megatron builds without them) refuse it (``TypeError: '<=' not supported between instances of
+    'float' and 'NoneType'``). They are built with a stand-in 0.0, and their groups then hold None again,
+    as the fused optimizers' would: the scheduler sets it, and a step without one fails as it would there."""
+
+    @functools.wraps(build)
+    def build_optimizer(config, *args, **kwargs):
+        if config.lr is not None or not _uses_torch_optimizer():
+            return build(config, *args, **kwargs)
+        config.lr = 0.0
+        try:
+            optimizer = build(config, *args, **kwargs)
+        finally:
+            config.lr = None
+        for inner in _torch_optimizers(optimizer):
+            inner.defaults["lr"] = None
+            for group in inner.param_groups:
+                if group["lr"] == 0.0:
+                    group["lr"] = None
+        return optimizer
+
+    return build_optimizer
+
+
+def _uses_torch_optimizer() -> bool:
+    return getattr(sys.modules.get("megatron.core.optimizer"), "USING_PYTORCH_OPTIMIZER", False)
+
+
 def register(registry, versions: str) -> None:
+    registry.wrap("megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups",
+                  learning_rate_from_the_scheduler, versions=versions,
+                  reason="torch's Adam and SGD refuse lr=None, which megatron's scheduler fills in before a step")
     registry.wrap("megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups", fused_torch_adam,
                   versions=versions, backends=("cpu",),
                   reason="torch's Adam on CPU parameters runs its fused kernel, not the foreach default")

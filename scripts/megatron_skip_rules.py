@@ -65,6 +65,7 @@ ERROR_RULES = [
                                       r"module 'megatron\.core\.fp8_utils' has no attribute")),
     ("apex's CUDA extensions", re.compile(r"[Aa]pex is not installed|requires [Aa]pex")),
     ("NCCL", re.compile(r"asked torch\.cuda\.nccl\b")),  # the device layer has no NCCL off CUDA
+    ("grouped_gemm (CUDA kernels)", re.compile(r"Grouped GEMM is not available")),  # moe_grouped_gemm's GroupedMLP
 ]
 _NO_MODULE = re.compile(r"No module named '([A-Za-z0-9_]+)")
 

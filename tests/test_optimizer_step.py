@@ -68,3 +68,29 @@ def test_megatron_clips_on_cpu_and_builds_torch_adam_fused(distributed_optimizer
     assert result["norm"] == pytest.approx(want, rel=1e-6)
     assert result["clipped_norm"] == pytest.approx(1.0, rel=1e-5)
     assert result["fused"] and all(result["fused"]) and not any(result["foreach"])
+
+
+def losses_with_the_lr_set_later(lr_in_config) -> dict:
+    """In a rank: megatron's optimizer built from ``OptimizerConfig(lr=lr_in_config)``; when that is None,
+    every group's lr is set afterwards, as megatron's LR scheduler does before the first step."""
+    from scripts.train_tiny_gpt import train_step
+
+    run = Run(lr=lr_in_config, distributed_optimizer=True, steps=3)
+    flavor, _, chunks, optimizer = setup(run)
+    groups = [group for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+              for group in opt.optimizer.param_groups]
+    built_with = [group["lr"] for group in groups]
+    for group in groups:
+        group["lr"] = 1e-3
+    return {"built_with": built_with,
+            "losses": [train_step(run, flavor, chunks, optimizer, step)[0] for step in range(run.steps)]}
+
+
+@pytest.mark.multiproc
+def test_an_optimizer_config_without_lr_builds_torch_adam_for_the_scheduler_to_set():
+    """Transformer Engine's and apex's Adam take lr=None until the scheduler sets it; torch's, built in
+    their place, gets the same: None in its groups, then the scheduler's value, as if given from the start."""
+    later = run_ranks(1, losses_with_the_lr_set_later, None)[0]
+    given = run_ranks(1, losses_with_the_lr_set_later, 1e-3)[0]
+    assert later["built_with"] and set(later["built_with"]) == {None}
+    assert later["losses"] == given["losses"]

@@ -400,6 +400,8 @@ def test_runtime_errors_that_only_miss_a_cuda_library_are_named():
     assert rules.missing_library("TypeError: '>=' not supported between instances of 'NoneType' and 'Version'")
     assert rules.missing_library("AttributeError: module 'megatron.core.fp8_utils' has no attribute "
                                  "'_fp8_inference_wrapped_modules'").startswith("Transformer Engine")
+    assert rules.missing_library("AssertionError: Grouped GEMM is not available. Please run `pip install "
+                                 "git+https://github.com/fanshiqing/grouped_gemm@v1.1.4`.").startswith("grouped_gemm")
     assert rules.missing_library("RuntimeError: Torch not compiled with CUDA enabled") is None
     assert rules.missing_library("AttributeError: megatron asked torch.cuda.nccl, which the adapter does not "
                                  "provide on the cpu backend.").startswith("NCCL")
