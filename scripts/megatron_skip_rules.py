@@ -8,7 +8,8 @@ tests: a rank that skipped a test whose collectives the others entered would han
 
 A test these rules let through may still fail only because such a library is missing (a helper deep in
 megatron imports it); ``missing_library`` recognises those failures from the error text, so they are
-reported as skips naming the library, never as passes.
+reported as skips naming the library, never as passes. ``not_installable_library`` does the same, under
+its own prefix, for a library that is not CUDA-only but that this Python cannot install.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 import importlib.util
 import inspect
 import re
+import sys
 import types
 
 PREFIX = "CUDA-only: "  # starts every skip reason these rules give
@@ -31,7 +33,17 @@ CUDA_ONLY_LIBRARIES = {
     "mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d", "modelopt": "NVIDIA ModelOpt",
     "cupy": "CuPy", "nvshmem": "NVSHMEM",
 }
-# emerging_optimizers (Muon) is plain PyTorch but needs Python >= 3.12: its tests fail here, counted
+
+# Libraries that are not CUDA-only but cannot be installed on this Python: (needed, the first Python that
+# can install it, the error megatron raises without it). emerging_optimizers (Muon, the layer-wise
+# optimizer) is plain PyTorch, and megatron-core 0.16.1, the newest release for Python 3.11, is what the
+# adapter is checked against; Megatron's own top-level Muon tests skip themselves where it is absent
+# ("Skip muon optimizer for LTS test"), its dist_checkpointing ones assert instead.
+NOT_INSTALLABLE = "not installable on this Python: "  # starts the skip reasons of the rule below
+PYTHON_GATED = [
+    ("emerging_optimizers", (3, 12), re.compile(r"Emerging Optimizers is not installed|"
+                                                r"No module named 'emerging_optimizers'")),
+]
 
 # (what is needed, pattern over the test's source)
 SOURCE_RULES = [
@@ -148,6 +160,14 @@ def missing_library(error_text: str) -> str | None:
     for need, pattern in ERROR_RULES:
         if pattern.search(error_text):
             return f"{need} ({pattern.search(error_text).group(0)})"
+    return None
+
+
+def not_installable_library(error_text: str, python: tuple = sys.version_info[:2]) -> str | None:
+    """What library a failure's text says is missing, when this Python cannot install it; else None."""
+    for module, first_python, pattern in PYTHON_GATED:
+        if python < first_python and not _installed(module) and pattern.search(error_text):
+            return f"{module} needs Python >= {'.'.join(map(str, first_python))}"
     return None
 
 

@@ -175,8 +175,8 @@ class DroppedGroups:
 
 
 def outcome_of(report) -> dict:
-    """``{"outcome", "reason"}`` of one report; a failure that is only a CUDA-only library missing
-    becomes a skip naming it."""
+    """``{"outcome", "reason"}`` of one report; a failure that is only a CUDA-only library missing, or
+    one this Python cannot install, becomes a skip naming it."""
     if report.outcome == "skipped":
         longrepr = report.longrepr
         reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
@@ -187,6 +187,9 @@ def outcome_of(report) -> dict:
     need = skip_rules.missing_library(text)
     if need is not None:
         return {"outcome": "skipped", "reason": f"{skip_rules.PREFIX}{need} (raised at run time)"}
+    gated = skip_rules.not_installable_library(text)
+    if gated is not None:
+        return {"outcome": "skipped", "reason": f"{skip_rules.NOT_INSTALLABLE}{gated} (raised at run time)"}
     return {"outcome": "failed", "reason": skip_rules.last_error_line(text), "detail": text[-4000:]}
 
 

@@ -405,8 +405,12 @@ def test_runtime_errors_that_only_miss_a_cuda_library_are_named():
     assert rules.missing_library("RuntimeError: Torch not compiled with CUDA enabled") is None
     assert rules.missing_library("AttributeError: megatron asked torch.cuda.nccl, which the adapter does not "
                                  "provide on the cpu backend.").startswith("NCCL")
-    # plain PyTorch, only not installable on this Python: a failure, not a CUDA-only skip
+    # plain PyTorch, only not installable on Python 3.11: not a CUDA-only skip, but one of its own
     assert rules.missing_library("ModuleNotFoundError: No module named 'emerging_optimizers'") is None
+    muon = "AssertionError: Emerging Optimizers is not installed."
+    assert rules.not_installable_library(muon, python=(3, 11)) == "emerging_optimizers needs Python >= 3.12"
+    assert rules.not_installable_library(muon, python=(3, 12)) is None  # installable there: a real failure
+    assert rules.not_installable_library("AssertionError: assert 1 == 2", python=(3, 11)) is None
 
 
 HELPER_CLASS = '''
