@@ -7,7 +7,8 @@ megatron, and takes a few seconds.
 
 A site is one spelling: ``torch.cuda.X``, ``from torch.cuda import X``, a ``"cuda"`` / ``"cuda:N"`` /
 ``"nccl"`` string, a ``'torch.cuda.*Tensor'`` type name, ``.cuda()``, ``.is_cuda``, and pinned host memory
-(``.pin_memory()``, ``pin_memory=`` other than ``False``), which torch refuses without an accelerator. Its
+(``.pin_memory()``, a torch function's ``pin_memory=`` other than ``False``), which torch refuses without an
+accelerator. Its
 verdict comes from
 the rules by which ``adapter.cuda_scope`` routes every module of megatron, checked against what the device
 layer and the views really answer, then from the reasoned tables in ``adapter.cuda_sites_table``:
@@ -148,7 +149,11 @@ class _Scanner(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_keyword(self, node):
-        if node.arg == "pin_memory" and not (isinstance(node.value, ast.Constant) and node.value.value is False):
+        """``pin_memory=`` given to a torch function (a tensor factory); other callers' keywords of that
+        name (``DataLoader``, megatron's own classes) are theirs to honour."""
+        call = self.parents[-1] if self.parents else None
+        if node.arg == "pin_memory" and not (isinstance(node.value, ast.Constant) and node.value.value is False) \
+                and isinstance(call, ast.Call) and _dotted(call.func).startswith("torch."):
             self._add(node.value, "pin_memory=", "pin")
         self.generic_visit(node)
 

@@ -115,11 +115,12 @@ def _torch_optimizers(optimizer):
 def learning_rate_from_the_scheduler(build):
     """Registry wrapper for ``_get_megatron_optimizer_based_on_param_groups``.
 
-    ``OptimizerConfig.lr`` may be None: megatron's LR scheduler sets every group's ``lr`` before the
-    first step, and Transformer Engine's and apex's Adam accept None until then. torch's Adam and SGD
-    (what megatron builds without them) refuse it (``TypeError: '<=' not supported between instances of
-    'float' and 'NoneType'``). They are built with a stand-in 0.0, and their groups then hold None again,
-    as the fused optimizers' would: the scheduler sets it, and a step without one fails as it would there."""
+    ``OptimizerConfig.lr`` may be None where something else sets each group's ``lr`` before the first step
+    (megatron's dist_checkpointing tests build optimizers so, only to save and load their state).
+    Transformer Engine's and apex's Adam accept None; torch's Adam and SGD, which megatron builds without
+    them, refuse it (``TypeError: '<=' not supported between instances of 'float' and 'NoneType'``). They
+    are built with a stand-in 0.0, and their groups then hold None again, as the fused optimizers' would:
+    a step without an lr fails as it would there."""
 
     @functools.wraps(build)
     def build_optimizer(config, *args, **kwargs):
@@ -147,7 +148,7 @@ def _uses_torch_optimizer() -> bool:
 def register(registry, versions: str) -> None:
     registry.wrap("megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups",
                   learning_rate_from_the_scheduler, versions=versions,
-                  reason="torch's Adam and SGD refuse lr=None, which megatron's scheduler fills in before a step")
+                  reason="torch's Adam and SGD refuse lr=None, which TE's and apex's Adam accept until a step")
     registry.wrap("megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups", fused_torch_adam,
                   versions=versions, backends=("cpu",),
                   reason="torch's Adam on CPU parameters runs its fused kernel, not the foreach default")

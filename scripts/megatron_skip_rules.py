@@ -158,7 +158,7 @@ def missing_library(error_text: str) -> str | None:
         if what is not None:
             return f"{what} (No module named {module!r})"
     for need, pattern in ERROR_RULES:
-        if pattern.search(error_text):
+        if pattern.search(error_text) and not _installed_for(need):  # with it installed: a real failure
             return f"{need} ({pattern.search(error_text).group(0)})"
     return None
 

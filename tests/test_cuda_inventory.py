@@ -108,6 +108,10 @@ FAKE_MODULE = textwrap.dedent('''
 
     def is_on_gpu(x):
         return x.device.type == "cuda"
+
+    def offload(buffer, loader_cls):
+        staging = torch.empty(4, pin_memory=True)
+        return buffer.pin_memory(), staging, loader_cls(buffer, pin_memory=True)
 ''')
 
 
@@ -127,6 +131,8 @@ def test_a_new_release_shows_exactly_its_new_sites():
         (14, "'cuda'"): "",  # device= of megatron's own helper: the string travels unrouted
         (17, "torch.cuda.CUDAGraph"): "",
         (20, "'cuda'"): "",  # a device-type test must be reasoned about in the table
+        (23, "pin_memory="): "routed: tensor calls",  # pinned host memory, answered where nothing pins
+        (24, ".pin_memory()"): "routed: tensor calls",  # (loader_cls's keyword is its own to honour)
     }
     assert "megatron/core/new_feature.py:6: .cuda() in <module>: UNACCOUNTED" in [str(s) for s in sites]
 

@@ -72,7 +72,7 @@ def test_megatron_clips_on_cpu_and_builds_torch_adam_fused(distributed_optimizer
 
 def losses_with_the_lr_set_later(lr_in_config) -> dict:
     """In a rank: megatron's optimizer built from ``OptimizerConfig(lr=lr_in_config)``; when that is None,
-    every group's lr is set afterwards, as megatron's LR scheduler does before the first step."""
+    every group's lr is set afterwards, before the first step."""
     from scripts.train_tiny_gpt import train_step
 
     run = Run(lr=lr_in_config, distributed_optimizer=True, steps=3)
@@ -87,9 +87,9 @@ def losses_with_the_lr_set_later(lr_in_config) -> dict:
 
 
 @pytest.mark.multiproc
-def test_an_optimizer_config_without_lr_builds_torch_adam_for_the_scheduler_to_set():
-    """Transformer Engine's and apex's Adam take lr=None until the scheduler sets it; torch's, built in
-    their place, gets the same: None in its groups, then the scheduler's value, as if given from the start."""
+def test_an_optimizer_config_without_lr_builds_torch_adam_with_the_lr_to_be_set():
+    """Transformer Engine's and apex's Adam take lr=None until something sets it; torch's, built in their
+    place, gets the same: None in its groups, then the value set, as if given from the start."""
     later = run_ranks(1, losses_with_the_lr_set_later, None)[0]
     given = run_ranks(1, losses_with_the_lr_set_later, 1e-3)[0]
     assert later["built_with"] and set(later["built_with"]) == {None}
