@@ -21,12 +21,14 @@ def state_dict_before_first_step(state_dict):
     """Registry wrapper for ``DistributedOptimizer.state_dict``.
 
     With torch's Adam, megatron reads the iteration from the per-parameter ``step`` states and asserts
-    there is exactly one; before the first step there are none, so building the state dict to *load*
-    a checkpoint into a new optimizer fails. With no state yet, the answer is step 0."""
+    there is exactly one; before the first step there are none (no state yet, or only the moments that
+    megatron's ``init_state_fn`` puts there to shape a checkpoint, without ``step``), so building the state
+    dict to save or load a checkpoint before training fails (assertion, or ``KeyError: 'step'``). Before
+    the first step, the answer is step 0."""
 
     @functools.wraps(state_dict)
     def optimizer_state_dict(self):
-        if self.optimizer.state or not _torch_optimizer_inside():
+        if not _torch_optimizer_inside() or any("step" in state for state in self.optimizer.state.values()):
             return state_dict(self)
         inner = self.optimizer.state_dict()
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "step": 0}
@@ -153,7 +155,7 @@ def register(registry, versions: str) -> None:
                   versions=versions, backends=("cpu",),
                   reason="torch's Adam on CPU parameters runs its fused kernel, not the foreach default")
     registry.wrap(f"{_DISTRIB}.state_dict", state_dict_before_first_step, versions=versions,
-                  reason="with torch's Adam, state_dict() asserts before the first step (no 'step' yet)")
+                  reason="with torch's Adam, state_dict() fails before the first step (no 'step' yet)")
     registry.wrap(f"{_DISTRIB}.load_state_dict", unshared_steps_after_load, versions=versions,
                   reason="with torch's Adam, loading shares one 'step' tensor that each param then bumps")
     registry.wrap(f"{_DISTRIB}._set_main_param_and_optimizer_states", step_from_param_groups,

@@ -94,3 +94,22 @@ def test_an_optimizer_config_without_lr_builds_torch_adam_with_the_lr_to_be_set(
     given = run_ranks(1, losses_with_the_lr_set_later, 1e-3)[0]
     assert later["built_with"] and set(later["built_with"]) == {None}
     assert later["losses"] == given["losses"]
+
+
+def steps_in_a_checkpoint_before_training(_) -> list:
+    """In a rank: the distributed optimizer's sharded state dict (what a checkpoint saves) before any step."""
+    run = Run(distributed_optimizer=True)
+    _, _, chunks, optimizer = setup(run)
+    optimizer.sharded_state_dict(chunks[0].sharded_state_dict(),
+                                 metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    assert inner.optimizer.state and not any("step" in s for s in inner.optimizer.state.values())
+    return [group["step"] for group in inner.state_dict()["optimizer"]["param_groups"]]
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_before_the_first_step_records_step_0():
+    """megatron reads torch's Adam's per-parameter ``step`` to save the iteration; before training there is
+    none (megatron fills the moments alone to shape the checkpoint). Step 0 is what was taken."""
+    steps = run_ranks(1, steps_in_a_checkpoint_before_training, None)[0]
+    assert steps and set(steps) == {0}
