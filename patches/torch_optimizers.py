@@ -147,7 +147,41 @@ def _uses_torch_optimizer() -> bool:
     return getattr(sys.modules.get("megatron.core.optimizer"), "USING_PYTORCH_OPTIMIZER", False)
 
 
+def per_parameter_steps(load_state_dict):
+    """Registry wrapper for the non-distributed optimizers' ``load_state_dict`` (fp32 and float16).
+
+    Transformer Engine's and apex's Adam keep ``step`` in each param group; torch's Adam keeps it in each
+    parameter's state and refuses a state without one (``KeyError: 'step'``). So a checkpoint written with
+    the fused Adam (on a GPU, say), or moments filled in that layout, could not be loaded where megatron
+    builds torch's Adam (CPU, NPU without apex). A parameter state without ``step`` gets its group's
+    (0 when the group has none either: no step was taken); megatron's own ``common_step`` goes first."""
+
+    @functools.wraps(load_state_dict)
+    def load_with_steps(self, state_dict, *args, **kwargs):
+        if isinstance(getattr(self, "optimizer", None), torch.optim.Adam):
+            key = next((k for k in ("optimizer", "optimizer_state_dict") if k in state_dict), None)
+            _fill_steps(state_dict[key] if key else state_dict)
+        return load_state_dict(self, state_dict, *args, **kwargs)
+
+    return load_with_steps
+
+
+def _fill_steps(optimizer_state: dict) -> None:
+    states = optimizer_state.get("state", {})
+    if "common_step" in states:
+        return
+    group_steps = {index: group.get("step", 0) for group in optimizer_state.get("param_groups", [])
+                   for index in group.get("params", [])}
+    for index, state in states.items():
+        if state and "step" not in state:
+            state["step"] = float(group_steps.get(index, 0))  # torch's Adam makes it its scalar tensor
+
+
 def register(registry, versions: str) -> None:
+    for owner in ("FP32Optimizer", "Float16OptimizerWithFloat16Params"):
+        registry.wrap(f"megatron.core.optimizer.optimizer:{owner}.load_state_dict", per_parameter_steps,
+                      versions=versions,
+                      reason="torch's Adam refuses states without a per-parameter 'step' (TE/apex keep it per group)")
     registry.wrap("megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups",
                   learning_rate_from_the_scheduler, versions=versions,
                   reason="torch's Adam and SGD refuse lr=None, which TE's and apex's Adam accept until a step")

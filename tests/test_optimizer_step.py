@@ -113,3 +113,31 @@ def test_a_checkpoint_before_the_first_step_records_step_0():
     none (megatron fills the moments alone to shape the checkpoint). Step 0 is what was taken."""
     steps = run_ranks(1, steps_in_a_checkpoint_before_training, None)[0]
     assert steps and set(steps) == {0}
+
+
+def load_fused_adam_layout(group_step) -> dict:
+    """In a rank: moments as Transformer Engine's or apex's Adam saves them (``step`` per param group, if
+    anywhere, not per parameter), loaded into the torch Adam megatron builds here, then one step."""
+    from scripts.train_tiny_gpt import train_step
+
+    run = Run(distributed_optimizer=False, steps=1)
+    flavor, _, chunks, optimizer = setup(run)
+    saved = optimizer.state_dict()
+    inner = saved["optimizer"] if "optimizer" in saved else saved
+    for group in inner["param_groups"]:
+        if group_step is not None:
+            group["step"] = group_step
+    params = [p for group in optimizer.optimizer.param_groups for p in group["params"]]
+    for param, index in zip(params, [i for g in inner["param_groups"] for i in g["params"]]):
+        inner["state"][index] = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+    optimizer.load_state_dict(saved)
+    loaded = {float(optimizer.optimizer.state[p]["step"]) for p in params}
+    train_step(run, flavor, chunks, optimizer, 0)
+    return {"loaded": loaded, "after_a_step": {float(optimizer.optimizer.state[p]["step"]) for p in params}}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("group_step, want", [(None, 0.0), (7, 7.0)], ids=["never-stepped", "group-step"])
+def test_moments_saved_without_per_parameter_steps_load_into_torch_adam(group_step, want):
+    result = run_ranks(1, load_fused_adam_layout, group_step)[0]
+    assert result == {"loaded": {want}, "after_a_step": {want + 1}}
