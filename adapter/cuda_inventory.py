@@ -8,10 +8,9 @@ megatron, and takes a few seconds.
 A site is one spelling: ``torch.cuda.X``, ``from torch.cuda import X``, a ``"cuda"`` / ``"cuda:N"`` /
 ``"nccl"`` string, a ``'torch.cuda.*Tensor'`` type name, ``.cuda()``, ``.is_cuda``, and pinned host memory
 (``.pin_memory()``, a torch function's ``pin_memory=`` other than ``False``), which torch refuses without an
-accelerator. Its
-verdict comes from
-the rules by which ``adapter.cuda_scope`` routes every module of megatron, checked against what the device
-layer and the views really answer, then from the reasoned tables in ``adapter.cuda_sites_table``:
+accelerator. Its verdict comes from the rules by which ``adapter.cuda_scope`` routes every module of
+megatron, checked against what the device layer and the views really answer, then from the reasoned
+tables in ``adapter.cuda_sites_table``:
 
 - ``routed: device layer``: ``torch.cuda.X`` (any import form) where ``adapter.device`` defines ``X``;
 - ``routed: strings view``: a device string given to a call the strings view routes (tensor factories'

@@ -114,7 +114,7 @@ def _torch_optimizers(optimizer):
             yield inner
 
 
-def learning_rate_from_the_scheduler(build):
+def learning_rate_set_later(build):
     """Registry wrapper for ``_get_megatron_optimizer_based_on_param_groups``.
 
     ``OptimizerConfig.lr`` may be None where something else sets each group's ``lr`` before the first step
@@ -183,7 +183,7 @@ def register(registry, versions: str) -> None:
                       versions=versions,
                       reason="torch's Adam refuses states without a per-parameter 'step' (TE/apex keep it per group)")
     registry.wrap("megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups",
-                  learning_rate_from_the_scheduler, versions=versions,
+                  learning_rate_set_later, versions=versions,
                   reason="torch's Adam and SGD refuse lr=None, which TE's and apex's Adam accept until a step")
     registry.wrap("megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups", fused_torch_adam,
                   versions=versions, backends=("cpu",),

@@ -104,8 +104,8 @@ class RankPlugin:
 
     def pytest_runtest_logfinish(self, nodeid, location):
         """Groups that nothing references any more are destroyed after each test; when the groups still
-        alive on some rank reach the limit, every rank stops after this test (the count is agreed on over
-        the default group: ranks hold different groups)."""
+        alive on some rank reach the limit, every rank stops after this test (ranks hold different groups:
+        they agree on the count, see ``DroppedGroups.most_alive_on_any_rank``)."""
         if not (self.max_groups and torch_distributed_ready()):
             return
         self.groups.release_dropped()
