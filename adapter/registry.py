@@ -53,7 +53,7 @@ class Patch:
     target: str
     new: Any
     reason: str
-    kind: str  # "replace", "wrap" or "route"
+    kind: str  # "replace", "wrap", "bind" or "route"
     backends: frozenset
     versions: str
     optional: bool = False
@@ -126,6 +126,14 @@ class PatchRegistry:
         """Register ``wrapper(fn) -> fn`` around ``target`` (around its replacement, if there is one)."""
         self._register(Patch(target, wrapper, reason, "wrap", frozenset(backends), versions, optional))
 
+    def bind(self, target: str, value: Any, *, reason: str, versions: str,
+             backends: Iterable[str] = ALL_BACKENDS) -> None:
+        """Register ``value`` for a module-level name that megatron's import leaves unbound: an
+        ``except ImportError`` branch that forgets one of the names its ``try`` imports from an optional
+        library. Where megatron bound it (the library is there), nothing changes and the status says so."""
+        self._register(Patch(target, value, reason, "bind", frozenset(backends), versions, optional=True,
+                             rebind_copies=False))
+
     def route(self, package: str, router, *, reason: str, versions: str,
               backends: Iterable[str] = ALL_BACKENDS) -> None:
         """Register ``router`` (``install(package)`` / ``uninstall(package)`` / ``installed(package)``) for
@@ -152,6 +160,9 @@ class PatchRegistry:
                              "specifier such as '>=0.16.0,<0.17'") from exc
         with self._lock:
             stack = self._patches.setdefault(patch.target, [])
+            if "bind" in {patch.kind, *(other.kind for other in stack)} and stack:
+                raise PatchError(f"{patch.target}: a name bound where megatron leaves it unbound takes no "
+                                 f"other patch ('{patch.reason}')")
             if patch.kind == "replace":
                 for other in stack:
                     if other.kind == "replace" and other.backends & patch.backends:
@@ -300,6 +311,8 @@ class PatchRegistry:
             owner = getattr(owner, part)
         own = vars(owner) if hasattr(owner, "__dict__") else {}
         had_own = name in own
+        if stack[0].kind == "bind":
+            return self._bind_one(owner, name, target, stack[0], bound=had_own or hasattr(owner, name))
         if not had_own and not hasattr(owner, name):
             raise PatchTargetError(
                 f"patch target {target}: {name} does not exist in the installed megatron-core {version}. "
@@ -320,6 +333,14 @@ class PatchRegistry:
         installed = descriptor(current) if descriptor else current
         setattr(owner, name, installed)
         record = _Applied(owner, name, had_own, original_raw, original, [])
+        self._applied[target] = record
+        return record
+
+    def _bind_one(self, owner, name: str, target: str, patch: Patch, bound: bool) -> _Applied:
+        if bound:  # optional: recorded as skipped, with this reason
+            raise PatchTargetError(f"{name} is bound by megatron here: nothing to bind")
+        setattr(owner, name, patch.new)
+        record = _Applied(owner, name, False, None, None, [])
         self._applied[target] = record
         return record
 

@@ -5,13 +5,13 @@ Each submodule registers one concern; ``adapter.registry.status(target)`` tells 
 """
 
 from . import (cuda_only, cuda_routing, dist_checkpointing_devices, distrib_optimizer_checkpoint, gloo_collectives,
-               host_offload, kernels, megatron_lm, multi_tensor, process_groups, rng, torch_optimizers)
+               host_offload, kernels, megatron_lm, moe, multi_tensor, process_groups, rng, torch_optimizers)
 
 CHECKED_MEGATRON_CORE = "==0.16.1"
 
 
 def register_all(registry) -> None:
     for concern in (cuda_routing, cuda_only, rng, torch_optimizers, distrib_optimizer_checkpoint,
-                    dist_checkpointing_devices, gloo_collectives, host_offload, multi_tensor, process_groups, kernels,
-                    megatron_lm):
+                    dist_checkpointing_devices, gloo_collectives, host_offload, moe, multi_tensor, process_groups,
+                    kernels, megatron_lm):
         concern.register(registry, CHECKED_MEGATRON_CORE)

@@ -583,3 +583,32 @@ def test_real_adapter_on_megatron_core(order):
     assert st["init_is_original"] is True
     assert st["torch_cuda_untouched"] is True
     assert st["status"] == ["pending", "pending"]
+
+
+# ------------------------------------------------------------------------------------ names left unbound
+def test_a_name_megatron_leaves_unbound_is_bound_and_reverted(pkg, make_registry):
+    target_mod = imp(pkg, "target")
+    reg = make_registry()
+    reg.bind(f"{pkg}.target:te_gemm", None, reason="r", versions=CHECKED)
+    reg.apply()
+    assert reg.status(f"{pkg}.target:te_gemm") == "applied"
+    assert target_mod.te_gemm is None
+    reg.revert()
+    assert not hasattr(target_mod, "te_gemm")
+
+
+def test_a_name_megatron_bound_is_left_alone(pkg, make_registry):
+    target_mod = imp(pkg, "target")
+    original = target_mod.f
+    reg = make_registry()
+    reg.bind(f"{pkg}.target:f", None, reason="r", versions=CHECKED)
+    reg.apply()
+    assert target_mod.f is original
+    assert reg.status(f"{pkg}.target:f") == "skipped: f is bound by megatron here: nothing to bind"
+
+
+def test_a_bound_name_takes_no_other_patch(pkg, make_registry):
+    reg = make_registry()
+    reg.bind(f"{pkg}.target:te_gemm", None, reason="r", versions=CHECKED)
+    with pytest.raises(PatchError, match="takes no other patch"):
+        reg.wrap(f"{pkg}.target:te_gemm", lambda fn: fn, reason="r2", versions=CHECKED)
