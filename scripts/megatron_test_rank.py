@@ -217,16 +217,23 @@ def main(argv: list[str]) -> int:
     # captures the rank's stderr while a test runs
     faulthandler.register(signal.SIGUSR1, file=open(f"{events}.stack", "w"))
     _put_checkout_first(checkout)
-    if os.environ.get("ADAPTER_BACKEND") == "npu":
-        npu_stand_in.install(int(os.environ.get("WORLD_SIZE", "1")))
-    import adapter  # noqa: F401 - the backend and the patch table, before anything imports megatron
-    from adapter.core_source import prefer_installed_megatron_core
-
-    prefer_installed_megatron_core()
+    _adapter_first()
     max_groups = int(os.environ.get("MEGATRON_TESTS_MAX_GROUPS") or 0) or None
     plugin = RankPlugin(Path(events), deselect, max_groups)
     status = int(pytest.main(pytest_args, plugins=[plugin]))
     return 0 if plugin.stopped and status == pytest.ExitCode.INTERRUPTED else status
+
+
+def _adapter_first():
+    """The backend (with the npu stand-in when asked) and the patch table, before anything imports
+    megatron; ``megatron.core`` then comes from the installed distribution."""
+    if os.environ.get("ADAPTER_BACKEND") == "npu":
+        npu_stand_in.install(int(os.environ.get("WORLD_SIZE", "1")))
+    import adapter
+    from adapter.core_source import prefer_installed_megatron_core
+
+    prefer_installed_megatron_core()
+    return adapter
 
 
 def prepare_spawned_child() -> None:
@@ -234,13 +241,7 @@ def prepare_spawned_child() -> None:
     as ``__mp_main__`` before it unpickles its target: the child gets what its rank has, as a user's
     process gets ``import adapter`` from the top of their training script. Without it the worker meets the
     real ``torch.cuda`` (``set_device(rank % device_count())``), dies, and its rank waits for it forever."""
-    if os.environ.get("ADAPTER_BACKEND") == "npu":
-        npu_stand_in.install(int(os.environ.get("WORLD_SIZE", "1")))
-    import adapter
-    from adapter.core_source import prefer_installed_megatron_core
-
-    prefer_installed_megatron_core()
-    adapter.route_cuda("tests")
+    _adapter_first().route_cuda("tests")
 
 
 if __name__ == "__main__":
