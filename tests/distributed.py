@@ -112,6 +112,17 @@ def _main(tmp: str, rank: str) -> None:
         fn = getattr(fn, part)
     result = fn(*args)
     (Path(tmp) / f"rank{rank}.out").write_bytes(pickle.dumps(result))
+    _leave_process_groups()
+
+
+def _leave_process_groups() -> None:
+    """Destroy the groups a rank function left alive. An interpreter that exits holding gloo groups can
+    die in their threads' destructors ("terminate called without an active exception"), failing a rank
+    whose function succeeded. Local to this rank: destroying a gloo group is no collective."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
