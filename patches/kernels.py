@@ -13,6 +13,11 @@ from adapter import kernels
 _BACKENDS = "megatron.core.models.backends:LocalSpecProvider"
 _ROPE = "megatron.core.models.common.embeddings.rope_utils"
 _SOFTMAX = "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax"
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+# What moe_utils imports from Transformer Engine and checks by ``not HAVE_TE or <name> is None``
+MOE_PERMUTE_NAMES = ("fused_permute", "fused_permute_with_probs", "fused_unpermute", "fused_sort_chunks_by_index",
+                     "fused_sort_chunks_by_index_with_probs")
+_TE_ROUTER_NAMES = ("fused_moe_aux_loss", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss")
 
 
 def _spec_layer_norm(self, rms_norm: bool = False, for_qk: bool = False):
@@ -22,6 +27,23 @@ def _spec_layer_norm(self, rms_norm: bool = False, for_qk: bool = False):
 
 def _spec_core_attention(self):
     return kernels.core_attention_module()
+
+
+def _grouped_experts_from_provider(grouped_mlp_modules):
+    """LocalSpecProvider.grouped_mlp_modules: ``moe_grouped_gemm`` gets megatron's ``TEGroupedMLP`` over the
+    provider's grouped linear layers; without it (SequentialMLP) or with the legacy flag, megatron's own
+    choice stays."""
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
+        if not moe_use_grouped_gemm or moe_use_legacy_grouped_gemm:
+            return grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
+        from megatron.core.transformer.mlp import MLPSubmodules
+        from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+        fc1, fc2 = kernels.grouped_linear_modules()
+        return TEGroupedMLP, MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
+
+    return grouped_mlp_modules
 
 
 def _fused_interleaved_rope_allowed(post_init):
@@ -40,12 +62,29 @@ def _fused_interleaved_rope_allowed(post_init):
     return __post_init__
 
 
+def _register_moe_permutation(registry, versions: str, provider) -> None:
+    """``moe_permute_fusion`` runs the provider's permutation. Without Transformer Engine, moe_utils leaves
+    its fused names unbound and ``HAVE_TE`` False, which guards nothing else there: with the names bound
+    (the router's TE kernels to None, so megatron refuses ``moe_router_fusion`` by name) it is true."""
+    for name in MOE_PERMUTE_NAMES:
+        registry.bind(f"{_MOE_UTILS}:{name}", getattr(provider.moe_permute, name), versions=versions,
+                      reason="moe_permute_fusion runs the kernel provider's token permutation")
+    for name in _TE_ROUTER_NAMES:
+        registry.bind(f"{_MOE_UTILS}:{name}", None, versions=versions,
+                      reason="Transformer Engine's router kernel: None, so megatron names it when asked for")
+    registry.replace(f"{_MOE_UTILS}:HAVE_TE", True, versions=versions, rebind_copies=False,
+                     reason="moe_utils' HAVE_TE only guards the fused names, all bound now")
+
+
 def register(registry, versions: str) -> None:
     provider = kernels.current()
     registry.replace(f"{_BACKENDS}.layer_norm", _spec_layer_norm, versions=versions,
                      reason="the local spec's norm is the kernel provider's (supports sequence parallel)")
     registry.replace(f"{_BACKENDS}.core_attention", _spec_core_attention, versions=versions,
                      reason="the local spec's core attention is the kernel provider's flash attention")
+    registry.wrap(f"{_BACKENDS}.grouped_mlp_modules", _grouped_experts_from_provider, versions=versions,
+                  reason="moe_grouped_gemm in the local spec runs the provider's grouped GEMM (no grouped_gemm/TE)")
+    _register_moe_permutation(registry, versions, provider)
     if provider.installed_norm() is None:
         for target in ("megatron.core.transformer.transformer_block:LayerNormImpl",
                        "megatron.core.models.gpt.gpt_layer_specs:LNImpl"):

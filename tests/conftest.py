@@ -104,10 +104,20 @@ def torch_npu_double(monkeypatch):
 @pytest.fixture
 def npu_kernels(torch_npu_double):
     """The npu kernel provider module, imported against the double (and forgotten afterwards)."""
-    sys.modules.pop("adapter.kernels.npu_provider", None)
+    _forget_npu_kernel_modules()
     torch_npu_double.CALLS.clear()
     yield importlib.import_module("adapter.kernels.npu_provider")
-    sys.modules.pop("adapter.kernels.npu_provider", None)
+    _forget_npu_kernel_modules()
+
+
+def _forget_npu_kernel_modules() -> None:
+    """Drop the modules that import torch_npu (and the package's names for them: ``from adapter.kernels
+    import x`` would hand back a module bound to an earlier double)."""
+    import adapter.kernels
+
+    for name in ("npu_provider", "npu_moe_permute"):
+        sys.modules.pop(f"adapter.kernels.{name}", None)
+        vars(adapter.kernels).pop(name, None)
 
 
 @pytest.fixture(params=["torch", "cuda", "npu"])

@@ -1,5 +1,5 @@
-"""Fused-kernel providers: which implementation of RMSNorm, SwiGLU, RoPE, softmax, cross entropy and core
-attention megatron's layers get.
+"""Fused-kernel providers: which implementation of RMSNorm, SwiGLU, RoPE, softmax, cross entropy, core
+attention and the MoE experts' grouped GEMM megatron's layers get.
 
 The provider is chosen apart from the device (``adapter.backend``): it defaults from the backend (npu -> npu,
 cuda -> cuda, cpu -> torch) and ``ADAPTER_KERNELS=npu|cuda|torch`` overrides it, so the npu provider's
@@ -32,7 +32,7 @@ DEFAULT_FOR_BACKEND = {"npu": "npu", "cuda": "cuda", "cpu": "torch"}
 # not import megatron, so choosing one at ``import adapter`` keeps megatron unimported.
 PROVIDER_API = ("NAME", "Norm", "installed_norm", "installed_core_attention", "attention", "rms_norm", "layer_norm",
                 "bias_swiglu", "rope", "rope_thd", "softmax_fusable", "scaled_masked_softmax",
-                "vocab_parallel_cross_entropy")
+                "vocab_parallel_cross_entropy", "grouped_mm", "installed_grouped_linear", "moe_permute")
 
 
 class KernelProviderUnavailable(RuntimeError):
@@ -88,3 +88,20 @@ def core_attention_module(provider: ModuleType | None = None) -> type:
         return installed
     return type(f"{provider.NAME.capitalize()}CoreAttention", (CoreAttention,),
                 {"attention": staticmethod(provider.attention), "__module__": __name__})
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_linear_modules(provider: ModuleType | None = None) -> tuple[type, type]:
+    """The experts' (fc1, fc2) grouped linear classes ``moe_grouped_gemm`` gets for ``provider``: what the
+    provider finds installed (Transformer Engine's on CUDA), else ``GroupedLinear`` over its
+    ``grouped_mm``."""
+    from adapter.kernels.grouped_linear import ColumnParallelGroupedLinear, RowParallelGroupedLinear
+
+    provider = provider or current()
+    installed = provider.installed_grouped_linear()
+    if installed is not None:
+        return installed
+    name = provider.NAME.capitalize()
+    return tuple(type(f"{name}{base.__name__}", (base,),
+                      {"grouped_mm": staticmethod(provider.grouped_mm), "__module__": __name__})
+                 for base in (ColumnParallelGroupedLinear, RowParallelGroupedLinear))

@@ -25,6 +25,7 @@ NAME = "cuda"
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 HAVE_SOFTMAX_EXTENSION = importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
+HAVE_GROUPED_GEMM = importlib.util.find_spec("grouped_gemm") is not None
 
 
 def _te_module(name: str):
@@ -37,6 +38,30 @@ def installed_core_attention():
 
 def installed_norm():
     return _te_module("TENorm") if HAVE_TE else None
+
+
+def installed_grouped_linear():
+    """Transformer Engine's grouped linear layers, as megatron's TE spec pairs them with TEGroupedMLP."""
+    if not HAVE_TE:
+        return None
+    return _te_module("TEColumnParallelGroupedLinear"), _te_module("TERowParallelGroupedLinear")
+
+
+def grouped_mm(x, weights, m_splits):
+    """Without Transformer Engine: the ``grouped_gemm`` package's CUTLASS kernel when installed (what
+    megatron's legacy GroupedMLP calls), else torch's grouped GEMM for CUDA bfloat16 (rows of whole
+    16-byte multiples), else one GEMM per expert."""
+    if x.is_cuda and HAVE_GROUPED_GEMM:
+        gmm = importlib.import_module("grouped_gemm").ops.gmm
+        return gmm(x, torch.stack(weights), torch.tensor(m_splits), trans_b=True)
+    if x.is_cuda and x.dtype == torch.bfloat16 and not (x.shape[-1] % 8 or weights[0].shape[0] % 8):
+        ends = torch.tensor(m_splits, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
+        return torch.nn.functional.grouped_mm(x.contiguous(), torch.stack(weights).transpose(1, 2), offs=ends)
+    return torch_provider.grouped_mm(x, weights, m_splits)
+
+
+# moe_permute_fusion without Transformer Engine (with it, megatron binds TE's fused permutation itself)
+moe_permute = torch_provider.moe_permute
 
 
 def _flash_attn():

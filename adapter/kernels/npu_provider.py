@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torch_npu
 
 from adapter.kernels import UnsupportedKernelSetting, cross_entropy, torch_provider
+from adapter.kernels import npu_moe_permute as moe_permute  # noqa: F401 - the provider's moe_permute
 from adapter.kernels.norm import FusedNorm
 
 NAME = "npu"
@@ -173,7 +174,49 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group):
     return loss.view(target.shape)
 
 
+def _group_ends(m_splits, device) -> torch.Tensor:
+    """npu_grouped_matmul's group_list: cumulative row ends, int64 (group_list_type 0)."""
+    return torch.tensor(m_splits, dtype=torch.int64, device=device).cumsum(0)
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """``npu_grouped_matmul`` has no backward node in torch_npu, so the gradients are grouped matmuls too:
+    dx = dy @ w_i per group (split M), dw_i = x_i^T dy_i (split K, group_type 2). The weights are stacked
+    again in backward rather than kept stacked from forward: a second copy of every expert would stay
+    alive between the passes."""
+
+    @staticmethod
+    def forward(ctx, x, ends, *weights):
+        ctx.save_for_backward(x, ends, *weights)
+        stacked = torch.stack(weights).transpose(1, 2)  # [E, in, out], a transposed view the op accepts
+        return torch_npu.npu_grouped_matmul([x], [stacked], group_list=ends, split_item=3, group_type=0,
+                                            group_list_type=0)[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, ends, *weights = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch_npu.npu_grouped_matmul([dy], [torch.stack(weights)], group_list=ends, split_item=3,
+                                          group_type=0, group_list_type=0)[0]
+        dw = torch_npu.npu_grouped_matmul([x.t()], [dy], group_list=ends, split_item=3, group_type=2,
+                                          group_list_type=0)[0]  # [E, in, out]
+        return (dx, None, *dw.transpose(1, 2).unbind(0))
+
+
+def grouped_mm(x, weights, m_splits):
+    """The experts' GEMMs in one ``npu_grouped_matmul`` (as MindSpeed's grouped MLP calls it), gradients
+    included. A rank whose local experts received no token at all computes nothing on the NPU, but its
+    weights still get their (zero) gradients for the data-parallel reduction."""
+    if x.shape[0] == 0:
+        return torch_provider.looped_grouped_mm(x, weights, m_splits)
+    return _GroupedMatmul.apply(x.contiguous(), _group_ends(m_splits, x.device), *weights)
+
+
 def installed_core_attention():
+    return None
+
+
+def installed_grouped_linear():
     return None
 
 

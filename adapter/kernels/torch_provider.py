@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from adapter import backend as _backend
 from adapter.kernels import UnsupportedKernelSetting, cross_entropy
+from adapter.kernels import moe_permute as _moe_permute
 from adapter.kernels.norm import FusedNorm
 
 NAME = "torch"
@@ -194,7 +195,32 @@ scaled_masked_softmax = None
 vocab_parallel_cross_entropy = cross_entropy.vocab_parallel_cross_entropy
 
 
+def looped_grouped_mm(x, weights, m_splits):
+    """``x[rows of i] @ weights[i].T`` expert by expert: one GEMM each, no copy of the weights."""
+    return torch.cat([F.linear(rows, weight) for rows, weight in zip(x.split(m_splits), weights)])
+
+
+def stacked_grouped_mm(x, weights, m_splits):
+    """One call of torch's grouped GEMM over the stacked weights (one copy of them per call).
+
+    On the CPU, torch 2.13's ``grouped_mm`` drops the gradients of bfloat16 and float16 inputs (they come
+    back None) and needs rows of whole 16-byte multiples, so other inputs take the loop."""
+    if x.dtype != torch.float32 or x.shape[-1] % 4 or weights[0].shape[0] % 4 or not x.is_contiguous():
+        return looped_grouped_mm(x, weights, m_splits)
+    ends = torch.tensor(m_splits, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
+    return F.grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=ends)
+
+
+grouped_mm = looped_grouped_mm
+# moe_permute_fusion: TE's interface over torch index ops (tokens in megatron's unfused order)
+moe_permute = _moe_permute
+
+
 def installed_core_attention():
+    return None
+
+
+def installed_grouped_linear():
     return None
 
 

@@ -1,0 +1,260 @@
+"""The MoE experts' grouped GEMM per kernel provider (issue 15, item 2), held to independent references:
+a row-by-row float64 product for the op, megatron's own ``SequentialMLP`` for the layer."""
+
+import pytest
+import torch
+
+import adapter  # noqa: F401 - before megatron
+from tests.kernel_reference import TOLERANCE, one_rank_model_parallel
+
+SPLITS = [3, 0, 5, 2]  # the second expert receives no token
+
+
+def _expert_weights(dtype, out_features=8, in_features=12):
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(out_features, in_features, generator=generator).to(dtype).requires_grad_()
+            for _ in SPLITS]
+
+
+def _rowwise_reference(x, weights, splits):
+    """Each row times the transpose of its own expert's weight, in float64: no grouping at all."""
+    expert_of_row = torch.repeat_interleave(torch.arange(len(splits)), torch.tensor(splits))
+    per_row = torch.stack([w.double() for w in weights])[expert_of_row]  # [rows, out, in]
+    return torch.bmm(per_row, x.double().unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grouped_mm_equals_each_row_times_its_expert(provider, dtype):
+    x = torch.randn(sum(SPLITS), 12, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    weights = _expert_weights(dtype)
+    ref_x = x.detach().double().requires_grad_()
+    ref_weights = [w.detach().double().requires_grad_() for w in weights]
+    out = provider.grouped_mm(x, weights, SPLITS)
+    want = _rowwise_reference(ref_x, ref_weights, SPLITS)
+    assert out.dtype == dtype and out.shape == want.shape
+    torch.testing.assert_close(out.double(), want, **TOLERANCE[dtype])
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    out.backward(grad.to(dtype))
+    want.backward(grad)
+    torch.testing.assert_close(x.grad.double(), ref_x.grad, **TOLERANCE[dtype])
+    for got, ref in zip(weights, ref_weights):
+        torch.testing.assert_close(got.grad.double(), ref.grad, **TOLERANCE[dtype])
+    assert torch.count_nonzero(weights[1].grad) == 0
+
+
+def test_the_npu_grouped_matmul_is_what_runs_forward_and_backward(npu_kernels, torch_npu_double):
+    """One grouped matmul forward, two backward (dx split M, dw split K): torch_npu's op has no autograd."""
+    x = torch.randn(sum(SPLITS), 12, requires_grad=True)
+    npu_kernels.grouped_mm(x, _expert_weights(torch.float32), SPLITS).sum().backward()
+    assert torch_npu_double.CALLS["npu_grouped_matmul"] == 3
+
+
+def test_torchs_stacked_grouped_gemm_equals_the_loop():
+    """The provider's other CPU path (one torch grouped GEMM over stacked weights) against the rowwise
+    reference, where it applies (float32, 16-byte rows)."""
+    from adapter.kernels import torch_provider
+
+    x = torch.randn(sum(SPLITS), 12, requires_grad=True)
+    weights = _expert_weights(torch.float32)
+    out = torch_provider.stacked_grouped_mm(x, weights, SPLITS)
+    torch.testing.assert_close(out.double(), _rowwise_reference(x.detach(), [w.detach() for w in weights],
+                                                                SPLITS), **TOLERANCE[torch.float32])
+    out.backward(torch.ones_like(out))
+    assert all(w.grad is not None for w in weights) and torch.count_nonzero(weights[1].grad) == 0
+
+
+def _experts_config(bias: bool):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=12, ffn_hidden_size=8, num_attention_heads=2,
+                             num_moe_experts=len(SPLITS), moe_ffn_hidden_size=8, moe_router_topk=2,
+                             moe_grouped_gemm=True, gated_linear_unit=True,
+                             activation_func=torch.nn.functional.silu, add_bias_linear=bias,
+                             bias_activation_fusion=False, bias_dropout_fusion=False,
+                             use_cpu_initialization=True, hidden_dropout=0.0, cuda_graph_scope=[])
+
+
+def _both_expert_layers(config):
+    """megatron's SequentialMLP and the experts the local spec gives ``moe_grouped_gemm``, same weights."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.spec_utils import build_module
+
+    groups, experts = ProcessGroupCollection.use_mpu_process_groups(), config.num_moe_experts
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=True)
+    grouped = build_module(spec.submodules.mlp.submodules.experts, experts, config, pg_collection=groups)
+    sequential = SequentialMLP(experts, config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                              linear_fc2=RowParallelLinear), groups)
+    with torch.no_grad():
+        for i, expert in enumerate(sequential.local_experts):
+            for name in ("linear_fc1", "linear_fc2"):
+                ours, theirs = getattr(grouped, name), getattr(expert, name)
+                getattr(ours, f"weight{i}").copy_(theirs.weight)
+                if config.add_bias_linear:
+                    getattr(ours, f"bias{i}").copy_(theirs.bias)
+    return grouped, sequential
+
+
+def _tokens_and_probs():
+    generator = torch.Generator().manual_seed(3)
+    return torch.randn(sum(SPLITS), 12, generator=generator), torch.rand(sum(SPLITS), generator=generator)
+
+
+def test_grouped_experts_equal_megatrons_sequential_experts():
+    """The spec's grouped experts (``TEGroupedMLP`` over the provider's grouped linear layers) and megatron's
+    expert-by-expert SequentialMLP: the same outputs and gradients for the same weights and tokens."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    with one_rank_model_parallel():
+        grouped, sequential = _both_expert_layers(_experts_config(bias=False))
+        assert isinstance(grouped, TEGroupedMLP)
+        tokens, probs = _tokens_and_probs()
+        outputs = []
+        for experts in (grouped, sequential):
+            x = tokens.clone().requires_grad_()
+            out, _ = experts(x, torch.tensor(SPLITS), probs)
+            out.backward(torch.ones_like(out))
+            outputs.append((out, x.grad))
+        torch.testing.assert_close(outputs[0], outputs[1], **TOLERANCE[torch.float32])
+        for i, expert in enumerate(sequential.local_experts):
+            for name in ("linear_fc1", "linear_fc2"):
+                torch.testing.assert_close(getattr(grouped, name).get_parameter(f"weight{i}").grad,
+                                           getattr(expert, name).weight.grad, **TOLERANCE[torch.float32])
+
+
+def test_grouped_experts_with_biases_equal_megatrons_sequential_experts():
+    """Biases (fc1's added per expert, fc2's weighted by the routing prob), forward only: megatron's own
+    SequentialMLP cannot run backward with biases at TP1 x EP1 (its fc2 adds the bias in place into
+    a view of the tensor-parallel reduce), on any device."""
+    with one_rank_model_parallel():
+        grouped, sequential = _both_expert_layers(_experts_config(bias=True))
+        with torch.no_grad():
+            for i in range(len(SPLITS)):
+                for name in ("linear_fc1", "linear_fc2"):
+                    getattr(grouped, name).get_parameter(f"bias{i}").normal_()
+                    getattr(sequential.local_experts[i], name).bias.copy_(
+                        getattr(grouped, name).get_parameter(f"bias{i}"))
+            tokens, probs = _tokens_and_probs()
+            got, want = (experts(tokens, torch.tensor(SPLITS), probs)[0] for experts in (grouped, sequential))
+        torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+
+
+def test_grouped_experts_checkpoint_under_sequential_experts_keys():
+    """Checkpoints are interchangeable: every sharded tensor has SequentialMLP's key, shape and global
+    offset, so one layout's checkpoint loads into the other (SequentialMLP's extra states, empty, aside)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    with one_rank_model_parallel():
+        grouped, sequential = _both_expert_layers(_experts_config(bias=True))
+
+        def layout(experts):
+            sharded = experts.sharded_state_dict(prefix="mlp.")
+            apply_factories(sharded)  # fc1's gated halves become their own tensors
+            return sorted((t.key, tuple(t.local_shape), tuple(t.global_offset))
+                          for t in nested_values(sharded) if isinstance(t, ShardedTensor))
+
+        mine = layout(grouped)
+        assert {key for key, _, _ in mine} == {f"mlp.experts.{n}.{p}" for n in ("linear_fc1", "linear_fc2")
+                                              for p in ("weight", "bias")}
+        assert len(mine) == 6 * len(SPLITS)  # per expert: fc1's weight and bias in two gated halves, fc2's
+        assert mine == layout(sequential)
+
+
+def _routing(tokens=6, experts=4, topk=2, seed=4):
+    """A top-k routing map with the last expert left without tokens, and softmax probs."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=generator)
+    logits[:, -1] = -1e9
+    probs = logits.softmax(-1)
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, logits.topk(topk).indices, True)
+    hidden = torch.randn(tokens, 5, generator=generator)
+    return hidden, probs * routing_map, routing_map
+
+
+def _dispatch_and_combine(permute_with_probs, unpermute, hidden, probs, routing_map, dtype):
+    """What the alltoall dispatcher does around the experts: permute tokens and probs, weight each row by
+    its prob (the experts do), unpermute. Returns the outputs and the gradients of tokens and probs."""
+    x, p = hidden.to(dtype).requires_grad_(), probs.clone().requires_grad_()
+    rows, row_probs, indices = permute_with_probs(x, p, routing_map)
+    out = unpermute(rows * row_probs.unsqueeze(-1).to(dtype), indices, x.shape)
+    (out.float() * torch.arange(out.shape[1])).sum().backward()
+    return rows, row_probs, out, x.grad, p.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_permutation_equals_megatrons_unfused_permutation(provider, dtype):
+    """Rows, their order, probs, the combined output and every gradient as megatron's own unfused
+    ``permute`` / ``unpermute`` give them."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    hidden, probs, routing_map = _routing()
+    count = int(routing_map.sum())
+    fused = _dispatch_and_combine(
+        lambda x, p, m: provider.moe_permute.fused_permute_with_probs(x, p, m, count),
+        lambda rows, rows_map, shape: provider.moe_permute.fused_unpermute(rows, rows_map, restore_shape=shape),
+        hidden, probs, routing_map, dtype)
+    unfused = _dispatch_and_combine(lambda x, p, m: permute(x, m, probs=p, num_out_tokens=count), unpermute,
+                                    hidden, probs, routing_map, dtype)
+    for got, want in zip(fused, unfused):
+        torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+def test_the_npu_permutation_is_torch_npus_index_form(npu_kernels, torch_npu_double):
+    """A top-k map (every token k experts) goes through torch_npu's permute and unpermute; a map of uneven
+    rows (what capacity dropping leaves) through the torch permutation, with the same result."""
+    hidden, probs, routing_map = _routing()
+    rows, _, indices = npu_kernels.moe_permute.fused_permute_with_probs(hidden, probs, routing_map)
+    npu_kernels.moe_permute.fused_unpermute(rows, indices, restore_shape=hidden.shape)
+    assert torch_npu_double.CALLS["npu_moe_token_permute"] == 1
+    assert torch_npu_double.CALLS["npu_moe_token_unpermute"] == 1
+    dropped = routing_map.clone()
+    dropped[0] = False
+    rows, indices = npu_kernels.moe_permute.fused_permute(hidden, dropped)
+    from adapter.kernels import moe_permute
+
+    torch.testing.assert_close(rows, moe_permute.fused_permute(hidden, dropped)[0], rtol=0, atol=0)
+    assert torch_npu_double.CALLS["npu_moe_token_permute"] == 1
+
+
+def test_unpermute_merges_probs_as_megatron_does():
+    """``merging_probs`` (TE's interface; megatron's dispatchers weight rows in the experts instead) on the
+    torch permutation: megatron's ``unpermute(probs=, routing_map=)``."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    from adapter.kernels import moe_permute
+
+    hidden, probs, routing_map = _routing()
+    rows, row_map = moe_permute.fused_permute(hidden, routing_map)
+    _, _, indices = permute(hidden, routing_map)
+    torch.testing.assert_close(
+        moe_permute.fused_unpermute(rows, row_map, merging_probs=probs, restore_shape=hidden.shape),
+        unpermute(rows, indices, hidden.shape, probs=probs, routing_map=routing_map), **TOLERANCE[torch.float32])
+
+
+def test_the_npu_permutation_refuses_merging_probs_by_name(npu_kernels):
+    from adapter.kernels import UnsupportedKernelSetting
+
+    hidden, probs, routing_map = _routing()
+    rows, indices = npu_kernels.moe_permute.fused_permute(hidden, routing_map)
+    with pytest.raises(UnsupportedKernelSetting, match="merging probs on the npu provider"):
+        npu_kernels.moe_permute.fused_unpermute(rows, indices, merging_probs=probs, restore_shape=hidden.shape)
+
+
+def test_fused_permutation_without_probs_and_chunk_sorting_equal_megatrons(provider):
+    from megatron.core.transformer.moe.moe_utils import permute, sort_chunks_by_idxs, unpermute
+
+    hidden, _, routing_map = _routing()
+    rows, indices = provider.moe_permute.fused_permute(hidden, routing_map, int(routing_map.sum()))
+    want_rows, _, want_indices = permute(hidden, routing_map, num_out_tokens=int(routing_map.sum()))
+    torch.testing.assert_close(rows, want_rows, rtol=0, atol=0)
+    torch.testing.assert_close(provider.moe_permute.fused_unpermute(rows, indices, restore_shape=hidden.shape),
+                               unpermute(want_rows, want_indices, hidden.shape), **TOLERANCE[torch.float32])
+    splits, order, probs = torch.tensor([2, 0, 3, 1]), torch.tensor([2, 0, 3, 1]), torch.rand(6)
+    got = provider.moe_permute.fused_sort_chunks_by_index_with_probs(hidden, probs, splits, order)
+    want = sort_chunks_by_idxs(hidden, splits, order, probs=probs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
