@@ -234,6 +234,8 @@ def kernel_rows(provider: ModuleType) -> dict[str, dict]:
     builders = {op: functools.partial(_function_row, provider, op) for op in FUNCTION_OPS}
     builders["core_attention"] = functools.partial(_core_attention_row, provider)
     builders["norm_module"] = functools.partial(_norm_module_row, provider)
+    builders["grouped_gemm"] = functools.partial(_grouped_gemm_row, provider)
+    builders["moe_permute"] = functools.partial(_moe_permute_row, provider)
     rows = {}
     for op, build in builders.items():
         try:
@@ -287,6 +289,24 @@ def _norm_module_row(provider: ModuleType) -> dict:
            else f"the {provider.NAME} provider's norm (supports sequence parallel)")
     return {"implementation": _name(module), "why": f"{why}; reached through {SPEC_ROUTE} and the final "
                                                     "norm of a block"}
+
+
+def _grouped_gemm_row(provider: ModuleType) -> dict:
+    fc1, fc2 = kernels.grouped_linear_modules(provider)
+    why = ("Transformer Engine is installed: its grouped linear layers" if provider.installed_grouped_linear()
+           else f"the adapter's grouped linear layers over the {provider.NAME} provider's grouped_mm "
+                f"({_name(provider.grouped_mm)})")
+    return {"implementation": f"{_name(fc1)}, {_name(fc2)}",
+            "why": f"{why}, in megatron's TEGroupedMLP; reached through moe_grouped_gemm=True in {SPEC_ROUTE}"}
+
+
+def _moe_permute_row(provider: ModuleType) -> dict:
+    route = "reached through moe_permute_fusion=True (megatron's moe_utils.permute/unpermute)"
+    if getattr(provider, "HAVE_TE", False):
+        return {"implementation": "Transformer Engine's moe_permute / moe_unpermute",
+                "why": f"Transformer Engine is installed: megatron binds its fused permutation; {route}"}
+    return {"implementation": provider.moe_permute.__name__,
+            "why": f"the {provider.NAME} provider's token permutation; {route}"}
 
 
 def kernel_summary() -> str:

@@ -24,7 +24,7 @@ from tests.distributed import ROOT
 VERSION_KEYS = {"python", "torch", "torch_cuda", "torch_npu", "cann", "megatron_core", "megatron_lm", "apex",
                 "transformer_engine", "flash_attn"}
 OPS = {"rms_norm", "layer_norm", "swiglu", "rope", "rope_thd", "softmax", "cross_entropy", "core_attention",
-       "norm_module"}
+       "norm_module", "grouped_gemm", "moe_permute"}
 
 
 def _run_cli(*args: str, backend: str = "cpu", pythonpath: str | None = None) -> subprocess.CompletedProcess:
