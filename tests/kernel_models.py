@@ -106,3 +106,34 @@ def cross_entropy_across_tensor_parallel_ranks() -> float:
         parallel_state.destroy_model_parallel()
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def moe_losses(dispatcher: str, steps: int = 3) -> dict:
+    """A tiny MoE GPT (4 experts, top-2, grouped GEMM and fused permutation on) trained ``steps`` Adam
+    steps through the process's kernel provider: its losses, and torch_npu's op counts where it is the
+    double."""
+    with one_rank_model_parallel():
+        flavor = models.get("gpt-tiny")
+        config = transformer_config(flavor, num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True,
+                                    moe_permute_fusion=True, moe_token_dispatcher_type=dispatcher,
+                                    moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+        torch.manual_seed(0)
+        model = _gpt(flavor, config, get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=True,
+                                                              normalization="RMSNorm"))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(steps):
+            tokens = torch.randint(0, flavor.vocab_size, (2, flavor.seq_length), generator=generator)
+            optimizer.zero_grad()
+            loss, _ = _loss_and_grads(model, tokens, torch.roll(tokens, -1, dims=1))
+            optimizer.step()
+            losses.append(loss)
+        experts = model.decoder.layers[0].mlp.experts
+        result = dict(provider=kernels.current().NAME, losses=losses,
+                      experts=[type(experts).__name__, type(experts.linear_fc1).__name__])
+        try:
+            import torch_npu
+        except ImportError:
+            return result
+        return {**result, "npu_calls": dict(torch_npu.CALLS)}

@@ -5,7 +5,7 @@ import pytest
 
 from tests.conftest import DOUBLES
 from tests.distributed import run_ranks
-from tests.kernel_models import compare_with_megatron_local
+from tests.kernel_models import compare_with_megatron_local, moe_losses
 
 pytestmark = pytest.mark.multiproc
 
@@ -48,3 +48,18 @@ def test_vocab_parallel_cross_entropy_matches_megatron_across_two_ranks():
     from tests.kernel_models import cross_entropy_across_tensor_parallel_ranks
 
     assert max(run_ranks(2, cross_entropy_across_tensor_parallel_ranks)) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_the_npu_providers_moe_kernels_run_and_give_the_torch_providers_losses(dispatcher):
+    """moe_grouped_gemm and moe_permute_fusion on: the npu provider (the torch_npu double) really calls
+    torch_npu's grouped matmul and permutation (at EP1 every token keeps its k experts in either
+    dispatcher's map) and trains to the torch provider's losses."""
+    runs = {name: run_ranks(1, moe_losses, dispatcher, env={"ADAPTER_BACKEND": "cpu", **PROVIDERS[name][0]})[0]
+            for name in ("torch", "npu")}
+    assert runs["npu"]["experts"] == ["TEGroupedMLP", "NpuColumnParallelGroupedLinear"]
+    assert runs["npu"]["losses"] == pytest.approx(runs["torch"]["losses"], abs=1e-5)
+    calls = runs["npu"]["npu_calls"]
+    for op in ("npu_grouped_matmul", "npu_moe_token_permute", "npu_moe_token_unpermute"):
+        assert calls.get(op, 0) > 0, f"torch_npu.{op} was not called: {calls}"
