@@ -47,12 +47,15 @@ class GroupedLinear(torch.nn.Module):
         self._pg_collection, self._tp_group = pg_collection, pg_collection.expt_tp
         tp_size = self._tp_group.size()
         dim = _PARTITION_DIM[self.parallel_mode]
+        # fc1 of a gated unit: each expert-TP rank holds its slice of the gate and of the up projection,
+        # as megatron's MLP (stride 2) and its checkpoints' swiglu factory lay them out
+        self.stride = 2 if self.parallel_mode == "column" and config.gated_linear_unit else 1
         shape = [output_size, input_size]
         shape[dim] = divide(shape[dim], tp_size)
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
         for i in range(num_gemms):
             weight = torch.nn.Parameter(torch.empty(shape, device=device, dtype=config.params_dtype))
-            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=self.stride)
             self.register_parameter(f"weight{i}", weight)
             if bias:
                 # a row-parallel bias is whole on every expert-TP rank, as in megatron's RowParallelLinear
@@ -75,18 +78,18 @@ class GroupedLinear(torch.nn.Module):
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
         if not self.config.use_cpu_initialization:
             for weight in weights:
-                _initialize_affine_weight_gpu(weight, init_method, partition_dim=dim, is_expert=True)
+                _initialize_affine_weight_gpu(weight, init_method, partition_dim=dim, stride=self.stride,
+                                              is_expert=True)
             return
-        ep_group = self._pg_collection.ep
-        first = ep_group.rank() * self.num_gemms
-        tp_rank, width = self._tp_group.rank(), weights[0].shape[dim]
+        ep_group, tp_rank, tp_size = self._pg_collection.ep, self._tp_group.rank(), self._tp_group.size()
+        first, chunk = ep_group.rank() * self.num_gemms, weights[0].shape[dim] // self.stride
         with torch.no_grad():
             for expert in range(ep_group.size() * self.num_gemms):
                 master = torch.empty(output_size, input_size, dtype=torch.float32)
                 init_method(master)
                 if first <= expert < first + self.num_gemms:
-                    part = master.narrow(dim, tp_rank * width, width)
-                    weights[expert - first].copy_(part.to(self.config.params_dtype))
+                    mine = torch.cat(master.split(chunk, dim=dim)[tp_rank::tp_size], dim=dim)
+                    weights[expert - first].copy_(mine.to(self.config.params_dtype))
 
     def forward(self, x: torch.Tensor, m_splits: list[int]):
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
