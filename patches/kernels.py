@@ -29,14 +29,14 @@ def _spec_core_attention(self):
     return kernels.core_attention_module()
 
 
-def _grouped_experts_from_provider(grouped_mlp_modules):
+def _grouped_experts_from_provider(original):
     """LocalSpecProvider.grouped_mlp_modules: ``moe_grouped_gemm`` gets megatron's ``TEGroupedMLP`` over the
     provider's grouped linear layers; without it (SequentialMLP) or with the legacy flag, megatron's own
     choice stays."""
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
         if not moe_use_grouped_gemm or moe_use_legacy_grouped_gemm:
-            return grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
+            return original(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
         from megatron.core.transformer.mlp import MLPSubmodules
         from megatron.core.transformer.moe.experts import TEGroupedMLP
 

@@ -258,3 +258,17 @@ def test_fused_permutation_without_probs_and_chunk_sorting_equal_megatrons(provi
     got = provider.moe_permute.fused_sort_chunks_by_index_with_probs(hidden, probs, splits, order)
     want = sort_chunks_by_idxs(hidden, splits, order, probs=probs)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_without_grouped_gemm_the_spec_keeps_megatrons_choice():
+    """Only ``moe_grouped_gemm`` is answered by the provider: without it megatron's SequentialMLP stays,
+    with the legacy flag megatron's own GroupedMLP (which needs the grouped_gemm package)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+
+    def experts(**flags):
+        return get_gpt_layer_local_spec(num_experts=4, **flags).submodules.mlp.submodules.experts.module
+
+    assert experts(moe_grouped_gemm=False) is SequentialMLP
+    with pytest.warns(UserWarning, match="legacy GroupedMLP"):
+        assert experts(moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True) is GroupedMLP
