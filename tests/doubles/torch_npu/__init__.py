@@ -16,6 +16,10 @@ Layout (mirrors the real package; extend it here, one submodule per area):
   ``npu_cross_entropy_loss``, ``npu_scaled_masked_softmax``: the fused ops, top-level as on the real
   package, defined in ``torch_npu/_ops.py`` (pure torch, autograd-capable, validating the documented
   constraints; see that module for what is and is not modelled).
+- The MoE ops, same module: ``npu_grouped_matmul`` (non-quantised; NO autograd, as the real op has no
+  backward node), ``npu_moe_token_permute`` / ``npu_moe_token_unpermute`` (index form) and
+  ``npu_moe_token_permute_with_routing_map`` / ``npu_moe_token_unpermute_with_routing_map`` (Megatron's
+  permute / unpermute as ops), all four with autograd.
 - ``torch_npu.CALLS``: a ``collections.Counter`` (double only) that each fused op increments under its own
   name on every call, refused calls included, so a test can prove a code path really dispatched to
   torch_npu (``CALLS["npu_fusion_attention"]``). It lives as long as the imported module: the
@@ -30,6 +34,11 @@ from torch_npu._ops import (  # noqa: E402,F401 - the real package exposes its f
     CALLS,
     npu_cross_entropy_loss,
     npu_fusion_attention,
+    npu_grouped_matmul,
+    npu_moe_token_permute,
+    npu_moe_token_permute_with_routing_map,
+    npu_moe_token_unpermute,
+    npu_moe_token_unpermute_with_routing_map,
     npu_rms_norm,
     npu_rotary_mul,
     npu_scaled_masked_softmax,
