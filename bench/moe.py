@@ -1,0 +1,222 @@
+"""MoE on the CPU: the experts' grouped GEMM against megatron's per-expert loop, and the pretrain flow's
+training throughput on a small MoE model against Hugging Face transformers.
+
+``experts``: one MoE layer's experts, forward + backward on the tokens a top-k router hands them (float32,
+``--tokens`` x top-k rows over ``--experts`` experts, uneven as a router makes them). Side by side, same
+weights, in one process, interleaved rounds:
+- ``sequential``: megatron's ``SequentialMLP``, one ColumnParallelLinear/RowParallelLinear pair per expert
+  (what ``moe_grouped_gemm=False`` runs; the per-expert loop to beat);
+- ``grouped/<impl>``: megatron's ``TEGroupedMLP`` over the adapter's grouped linear layers, i.e. what
+  ``moe_grouped_gemm=True`` gets, once per torch implementation of the grouped GEMM (``loop``: one GEMM
+  per expert on the weights as they are; ``stacked``: torch's grouped GEMM over the stacked weights).
+
+``flow``: tokens/s of the pretrain flow (megatron-core GPTModel with MoE layers, DDP, Adam; --mock-data)
+against transformers' ``Qwen3MoeForCausalLM`` of the same configuration (experts one by one in a Python
+loop, its own implementation), each in a fresh interpreter taking turns, float32, one process. Goal:
+flow / transformers >= 1.2.
+
+Usage: python bench/moe.py [experts|flow|all] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# A small Qwen3-MoE-like shape: 8 experts, top-2, GEMM-bound on a CPU
+MOE = dict(num_layers=2, hidden_size=512, moe_ffn_hidden_size=512, num_experts=8, topk=2, heads=8, groups=4,
+           head_dim=64, vocab_size=4096, seq_length=512, micro_batch=2)
+
+
+def _expert_layers(tokens: int):
+    """Both expert layers on one set of weights, and a routed batch (rows grouped by expert)."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    from tests.test_moe_kernels import _both_expert_layers
+
+    config = TransformerConfig(num_layers=1, hidden_size=MOE["hidden_size"], num_attention_heads=MOE["heads"],
+                               num_moe_experts=MOE["num_experts"], moe_ffn_hidden_size=MOE["moe_ffn_hidden_size"],
+                               moe_router_topk=MOE["topk"], moe_grouped_gemm=True, gated_linear_unit=True,
+                               activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                               bias_activation_fusion=False, use_cpu_initialization=True, cuda_graph_scope=[])
+    grouped, sequential = _both_expert_layers(config)
+    generator = torch.Generator().manual_seed(0)
+    choice = torch.rand(tokens, MOE["num_experts"], generator=generator).topk(MOE["topk"]).indices
+    splits = torch.bincount(choice.flatten(), minlength=MOE["num_experts"])
+    rows = torch.randn(int(splits.sum()), MOE["hidden_size"], generator=generator)
+    return grouped, sequential, rows, splits, torch.rand(len(rows), generator=generator)
+
+
+def _step_seconds(experts, rows, splits, probs) -> float:
+    x = rows.clone().requires_grad_()
+    start = time.perf_counter()
+    out, _ = experts(x, splits, probs)
+    out.backward(torch.ones_like(out))
+    return time.perf_counter() - start
+
+
+def bench_experts(rounds: int, tokens: int, repeats: int) -> dict:
+    import adapter  # noqa: F401 - before megatron
+    from adapter.kernels import grouped_linear, torch_provider
+    from tests.kernel_reference import one_rank_model_parallel
+
+    impls = {"loop": torch_provider.looped_grouped_mm, "stacked": torch_provider.stacked_grouped_mm}
+    with one_rank_model_parallel():
+        grouped, sequential, rows, splits, probs = _expert_layers(tokens)
+        runs = {"sequential": (sequential, None), **{f"grouped/{k}": (grouped, f) for k, f in impls.items()}}
+        times = {name: [] for name in runs}
+        for round_ in range(rounds + 1):  # the first round warms up
+            for name, (layer, impl) in runs.items():
+                if impl is not None:
+                    for linear in (layer.linear_fc1, layer.linear_fc2):
+                        linear.grouped_mm = impl
+                best = min(_step_seconds(layer, rows, splits, probs) for _ in range(repeats))
+                if round_:
+                    times[name].append(best)
+        for linear in (grouped.linear_fc1, grouped.linear_fc2):
+            del linear.grouped_mm  # back to the class's (the provider's)
+        assert isinstance(grouped.linear_fc1, grouped_linear.GroupedLinear)
+    return {"rows": len(rows), "splits": splits.tolist(), "seconds": times}
+
+
+def print_experts(result: dict) -> None:
+    seconds = {name: statistics.median(values) for name, values in result["seconds"].items()}
+    base = seconds["sequential"]
+    print(f"experts: {MOE['num_experts']} x (hidden {MOE['hidden_size']}, ffn {MOE['moe_ffn_hidden_size']}, "
+          f"SwiGLU), {result['rows']} routed rows {result['splits']}, float32, forward + backward")
+    print(f"{'run':<16} {'ms':>8} {'sequential / run':>17}   rounds (ms)")
+    for name, value in seconds.items():
+        print(f"{name:<16} {1e3 * value:8.2f} {base / value:17.3f}   "
+              f"{', '.join(f'{1e3 * v:.2f}' for v in result['seconds'][name])}")
+
+
+def _flow_argv(iters: int, warmup: int) -> list[str]:
+    m = MOE
+    return ["--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
+            "--ffn-hidden-size", str(m["moe_ffn_hidden_size"]), "--num-attention-heads", str(m["heads"]),
+            "--group-query-attention", "--num-query-groups", str(m["groups"]),
+            "--max-position-embeddings", str(m["seq_length"]), "--seq-length", str(m["seq_length"]),
+            "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--disable-bias-linear",
+            "--position-embedding-type", "rope", "--rotary-base", "1000000",
+            "--untie-embeddings-and-output-weights", "--vocab-size", str(m["vocab_size"] - 1),
+            "--num-experts", str(m["num_experts"]), "--moe-router-topk", str(m["topk"]),
+            "--moe-ffn-hidden-size", str(m["moe_ffn_hidden_size"]), "--moe-grouped-gemm",
+            "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+            "--moe-aux-loss-coeff", "0.001",
+            "--micro-batch-size", str(m["micro_batch"]), "--global-batch-size", str(m["micro_batch"]),
+            "--train-iters", str(warmup + iters), "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
+            "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def run_flow(iters: int, warmup: int) -> float:
+    """tokens/s of the pretrain flow over ``iters`` iterations after ``warmup`` (its own log's rates)."""
+    import adapter  # noqa: F401 - before megatron
+    from megatron.core.enums import ModelType
+
+    from adapter.training.pretrain import pretrain
+    from scripts.pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    history = pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
+                       forward_step, argv=_flow_argv(iters, warmup))
+    measured = [entry["tokens_per_second"] for entry in history["train"] if entry["iteration"] > warmup]
+    return len(measured) / sum(1 / rate for rate in measured)
+
+
+def run_transformers(iters: int, warmup: int) -> float:
+    """tokens/s of ``Qwen3MoeForCausalLM`` trained as its Trainer does by default (fused AdamW, clip 1.0)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    m = MOE
+    config = Qwen3MoeConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+                            intermediate_size=m["moe_ffn_hidden_size"], moe_intermediate_size=m["moe_ffn_hidden_size"],
+                            num_hidden_layers=m["num_layers"], num_attention_heads=m["heads"],
+                            num_key_value_heads=m["groups"], head_dim=m["head_dim"], num_experts=m["num_experts"],
+                            num_experts_per_tok=m["topk"], norm_topk_prob=True, decoder_sparse_step=1,
+                            max_position_embeddings=m["seq_length"], rope_theta=1e6, rms_norm_eps=1e-6,
+                            tie_word_embeddings=False, router_aux_loss_coef=0.001, output_router_logits=True)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    tokens = torch.randint(0, m["vocab_size"], (m["micro_batch"], m["seq_length"] + 1))
+    times = []
+    for step in range(warmup + iters):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return m["micro_batch"] * m["seq_length"] * iters / sum(times)
+
+
+def _child(kind: str, iters: int, warmup: int) -> float:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ADAPTER_BACKEND": "cpu"}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--child", kind, "--iters", str(iters),
+                           "--warmup", str(warmup)], cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{kind} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def bench_flow(rounds: int, iters: int, warmup: int) -> dict:
+    kinds = ("flow", "transformers")
+    results = {kind: [] for kind in kinds}
+    for round_ in range(rounds):
+        for kind in (kinds if round_ % 2 == 0 else kinds[::-1]):
+            results[kind].append(_child(kind, iters, warmup))
+    return results
+
+
+def print_flow(results: dict, iters: int, warmup: int) -> None:
+    best = {kind: max(rates) for kind, rates in results.items()}
+    median = {kind: statistics.median(rates) for kind, rates in results.items()}
+    print(f"flow vs transformers: {MOE}, float32, {warmup} warm-up + {iters} measured iterations, "
+          f"{len(results['flow'])} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'run':<14} {'tokens/s':>9} {'/ transformers':>15} {'(medians)':>10}   all rounds (tokens/s)")
+    for kind in results:
+        print(f"{kind:<14} {best[kind]:9.1f} {best[kind] / best['transformers']:15.3f} "
+              f"{median[kind] / median['transformers']:10.3f}   {', '.join(f'{r:.1f}' for r in results[kind])}")
+    print("goal: flow / transformers >= 1.2")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", choices=["experts", "flow", "all"], default="all")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens routed to the experts (x top-k rows)")
+    parser.add_argument("--experts", type=int, default=MOE["num_experts"], help="experts: how many")
+    parser.add_argument("--topk", type=int, default=MOE["topk"], help="experts: per token")
+    parser.add_argument("--expert-ffn", type=int, default=MOE["moe_ffn_hidden_size"], help="experts: FFN size")
+    parser.add_argument("--repeats", type=int, default=3, help="steps per round; the best counts")
+    parser.add_argument("--iters", type=int, default=6, help="flow: measured iterations per run")
+    parser.add_argument("--warmup", type=int, default=3, help="flow: warm-up iterations per run")
+    parser.add_argument("--child", choices=["flow", "transformers"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("ADAPTER_BACKEND", "cpu")
+    if args.child:
+        run = run_flow if args.child == "flow" else run_transformers
+        print("RESULT " + json.dumps(run(args.iters, args.warmup)), flush=True)
+        return
+    if args.what in ("experts", "all"):
+        MOE.update(num_experts=args.experts, topk=args.topk, moe_ffn_hidden_size=args.expert_ffn)
+        print_experts(bench_experts(args.rounds, args.tokens, args.repeats))
+    if args.what in ("flow", "all"):
+        print_flow(bench_flow(args.rounds, args.iters, args.warmup), args.iters, args.warmup)
+
+
+if __name__ == "__main__":
+    main()
