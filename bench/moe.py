@@ -59,6 +59,14 @@ def _expert_layers(tokens: int):
     return grouped, sequential, rows, splits, torch.rand(len(rows), generator=generator)
 
 
+def stacked_grouped_mm(x, weights, m_splits):
+    """The candidate to the torch provider's per-expert loop: one call of torch's grouped GEMM over the
+    stacked weights. Float32 only: on the CPU torch 2.13's kernel drops bf16/fp16 gradients (they come
+    back None), and it needs rows of whole 16-byte multiples and contiguous incoming gradients."""
+    ends = torch.tensor(m_splits, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return torch.nn.functional.grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=ends)
+
+
 def _step_seconds(experts, rows, splits, probs) -> float:
     x = rows.clone().requires_grad_()
     start = time.perf_counter()
@@ -67,27 +75,40 @@ def _step_seconds(experts, rows, splits, probs) -> float:
     return time.perf_counter() - start
 
 
+def _use(layer, impl) -> None:
+    """Point the grouped layer's two projections at ``impl`` (None: the sequential layer, nothing to do)."""
+    if impl is not None:
+        for linear in (layer.linear_fc1, layer.linear_fc2):
+            linear.grouped_mm = impl
+
+
+def _check_agreement(runs: dict, rows, splits, probs) -> None:
+    """Every implementation computes the same experts (float32 rounding apart) before any is timed."""
+    outputs = []
+    for layer, impl in runs.values():
+        _use(layer, impl)
+        outputs.append(layer(rows, splits, probs)[0].detach())
+    for out in outputs[1:]:
+        torch.testing.assert_close(out, outputs[0], atol=1e-4, rtol=1e-4)
+
+
 def bench_experts(rounds: int, tokens: int, repeats: int) -> dict:
     import adapter  # noqa: F401 - before megatron
-    from adapter.kernels import grouped_linear, torch_provider
+    from adapter.kernels import torch_provider
     from tests.kernel_reference import one_rank_model_parallel
 
-    impls = {"loop": torch_provider.looped_grouped_mm, "stacked": torch_provider.stacked_grouped_mm}
+    impls = {"loop": torch_provider.looped_grouped_mm, "stacked": stacked_grouped_mm}
     with one_rank_model_parallel():
         grouped, sequential, rows, splits, probs = _expert_layers(tokens)
         runs = {"sequential": (sequential, None), **{f"grouped/{k}": (grouped, f) for k, f in impls.items()}}
+        _check_agreement(runs, rows, splits, probs)
         times = {name: [] for name in runs}
         for round_ in range(rounds + 1):  # the first round warms up
             for name, (layer, impl) in runs.items():
-                if impl is not None:
-                    for linear in (layer.linear_fc1, layer.linear_fc2):
-                        linear.grouped_mm = impl
+                _use(layer, impl)
                 best = min(_step_seconds(layer, rows, splits, probs) for _ in range(repeats))
                 if round_:
                     times[name].append(best)
-        for linear in (grouped.linear_fc1, grouped.linear_fc2):
-            del linear.grouped_mm  # back to the class's (the provider's)
-        assert isinstance(grouped.linear_fc1, grouped_linear.GroupedLinear)
     return {"rows": len(rows), "splits": splits.tolist(), "seconds": times}
 
 

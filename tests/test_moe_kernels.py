@@ -49,20 +49,6 @@ def test_the_npu_grouped_matmul_is_what_runs_forward_and_backward(npu_kernels, t
     assert torch_npu_double.CALLS["npu_grouped_matmul"] == 3
 
 
-def test_torchs_stacked_grouped_gemm_equals_the_loop():
-    """The provider's other CPU path (one torch grouped GEMM over stacked weights) against the rowwise
-    reference, where it applies (float32, 16-byte rows)."""
-    from adapter.kernels import torch_provider
-
-    x = torch.randn(sum(SPLITS), 12, requires_grad=True)
-    weights = _expert_weights(torch.float32)
-    out = torch_provider.stacked_grouped_mm(x, weights, SPLITS)
-    torch.testing.assert_close(out.double(), _rowwise_reference(x.detach(), [w.detach() for w in weights],
-                                                                SPLITS), **TOLERANCE[torch.float32])
-    out.backward(torch.ones_like(out))
-    assert all(w.grad is not None for w in weights) and torch.count_nonzero(weights[1].grad) == 0
-
-
 def _experts_config(bias: bool):
     from megatron.core.transformer import TransformerConfig
 

@@ -200,17 +200,8 @@ def looped_grouped_mm(x, weights, m_splits):
     return torch.cat([F.linear(rows, weight) for rows, weight in zip(x.split(m_splits), weights)])
 
 
-def stacked_grouped_mm(x, weights, m_splits):
-    """One call of torch's grouped GEMM over the stacked weights (one copy of them per call).
-
-    On the CPU, torch 2.13's ``grouped_mm`` drops the gradients of bfloat16 and float16 inputs (they come
-    back None) and needs rows of whole 16-byte multiples, so other inputs take the loop."""
-    if x.dtype != torch.float32 or x.shape[-1] % 4 or weights[0].shape[0] % 4 or not x.is_contiguous():
-        return looped_grouped_mm(x, weights, m_splits)
-    ends = torch.tensor(m_splits, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
-    return F.grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=ends)
-
-
+# Measured against one torch grouped GEMM over the stacked weights (bench/moe.py): no faster on the CPU at
+# MoE shapes, a copy of the weights per call, and torch 2.13's CPU kernel drops bf16/fp16 gradients.
 grouped_mm = looped_grouped_mm
 # moe_permute_fusion: TE's interface over torch index ops (tokens in megatron's unfused order)
 moe_permute = _moe_permute
