@@ -167,6 +167,26 @@ class _CpuEvent(torch.cpu.Event):
         return (end._stamp - self._stamp) * 1000.0
 
 
+class _CpuStream(torch.cpu.Stream):
+    """The CPU's one stream. Work on the CPU runs in program order, so every stream megatron makes or asks
+    for is this one: equal to the current stream (a "side stream" needs no ``record_stream``, for which
+    torch has no CPU kernel) and with events complete when recorded (torch.cpu.Stream's record_event gives
+    None, which megatron then waits on)."""
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, torch.cpu.Stream)
+
+    __hash__ = torch.cpu.Stream.__hash__
+
+    def record_event(self, event=None):
+        event = event if event is not None else _CpuEvent()
+        event.record(self)
+        return event
+
+
+_CPU_STREAM = _CpuStream()
+
+
 def _device_attr(name: str):
     accel = _accel()
     return getattr(accel if accel else torch.cpu, name)
@@ -182,7 +202,7 @@ def _index(device) -> int | None:
 def Stream(device=None, priority: int = 0, **kwargs):  # noqa: N802 - mirrors torch.cuda.Stream
     accel = _accel()
     if accel is None:
-        return torch.cpu.Stream()
+        return _CPU_STREAM
     return accel.Stream(device=_index(device), priority=priority, **kwargs)
 
 
@@ -191,12 +211,13 @@ def Event(*args, **kwargs):  # noqa: N802 - mirrors torch.cuda.Event
 
 
 def current_stream(device=None):
-    return _device_attr("current_stream")()
+    accel = _accel()
+    return accel.current_stream() if accel else _CPU_STREAM
 
 
 def default_stream(device=None):
     accel = _accel()
-    return accel.default_stream(device) if accel else torch.cpu.current_stream()
+    return accel.default_stream(device) if accel else _CPU_STREAM
 
 
 def stream(s):

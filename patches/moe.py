@@ -6,15 +6,6 @@ router's gating GEMM) asks ``te_general_gemm is not None`` before falling back t
 TE (CPU, Ascend, CUDA without TE) every MoE router raises ``NameError``; bound to None, it takes the
 fallback megatron wrote for that case.
 
-The all-to-all dispatcher copies its split sizes to the host on a side stream it creates once
-(``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream``), and, being on a side stream, ties the device tensors to it
-with ``record_stream`` and waits for the copies through the event the stream records. The CPU has one stream,
-on which work is done in program order: the side stream the device layer hands out there
-(``torch.cpu.Stream``) differs from the current one, so megatron calls ``record_stream`` (which torch has no
-CPU kernel for) and then ``synchronize()`` on ``record_event()``'s None. On cpu the dispatcher's stream is
-therefore the CPU stream itself: equal to the current one (nothing to record) and with events that are done
-when recorded.
-
 With tensor parallelism the all-to-all dispatcher gathers each TP rank's tokens for its experts, as many as the
 router sent there, so the ranks' pieces differ in length: ``mappings._gather_along_first_dim`` with
 ``output_split_sizes`` (and its backward, for ``reduce_scatter`` with ``input_split_sizes``) hands
@@ -24,26 +15,8 @@ size"). On cpu those gathers go through gloo's equal-size gather, each piece pad
 
 import torch
 
-from adapter import device
-
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 _MAPPINGS = "megatron.core.tensor_parallel.mappings"
-_ALLTOALL = "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher"
-
-
-class HostStream(torch.cpu.Stream):
-    """The CPU's one stream, as megatron's stream code expects of a stream: every CPU stream is this one
-    (work runs in program order), and an event it records is complete."""
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, torch.cpu.Stream)
-
-    __hash__ = torch.cpu.Stream.__hash__
-
-    def record_event(self, event=None):
-        event = event if event is not None else device.Event()
-        event.record(self)
-        return event
 
 
 def _gather_unequal_pieces_padded(gather):
@@ -65,7 +38,5 @@ def _gather_unequal_pieces_padded(gather):
 def register(registry, versions: str) -> None:
     registry.bind(f"{_MOE_UTILS}:te_general_gemm", None, versions=versions,
                   reason="unbound without Transformer Engine; the router's gating GEMM falls back to torch.mm on None")
-    registry.replace(f"{_ALLTOALL}.cuda_dtoh_stream", HostStream(), versions=versions, backends=("cpu",),
-                     reason="the CPU's one stream: no side stream to record tensors on, its events done when recorded")
     registry.wrap(f"{_MAPPINGS}:_gather_along_first_dim", _gather_unequal_pieces_padded, versions=versions,
                   backends=("cpu",), reason="gathers pieces of unequal length, which gloo's all_gather refuses")
