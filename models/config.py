@@ -1,9 +1,27 @@
 """One decoder-only transformer as plain data, and its megatron-core ``TransformerConfig``.
 
 A ``ModelConfig`` holds only what defines the weights and the numerics (shapes, norm, activation,
-positions, biases, tying); how it is trained or split across ranks is the caller's business and comes in
-as ``TransformerConfig`` overrides. Named configs live in the family modules (``models/gpt.py``,
-``models/qwen.py``) and are looked up through ``models.get``.
+positions, biases, tying, the experts and how tokens are routed to them); how it is trained or split across
+ranks is the caller's business and comes in as ``TransformerConfig`` overrides. Named configs live in the
+family modules (``models/gpt.py``, ``models/qwen.py``) and are looked up through ``models.get``.
+
+Mixture of Experts takes megatron-core's fields and meanings (``TransformerConfig``): ``num_experts`` routed
+experts (None: a dense model) of ``moe_ffn_hidden_size`` each (None: ``ffn_hidden_size``), ``moe_router_topk``
+of them per token, in the layers ``moe_layer_freq`` picks (an int N: layers 0, N, 2N, ...; or one 0/1 per
+layer), plus an optional shared expert every token passes through (``moe_shared_expert_intermediate_size``,
+gated by ``sigmoid(x @ w)`` with ``moe_shared_expert_gate``). The router, as megatron-core 0.16.1's
+``topk_routing_with_score_function`` computes it:
+
+- ``softmax`` with ``moe_router_pre_softmax``: softmax over all experts, then the top k, not renormalised
+  (Qwen2-MoE and DeepSeek-V2, ``norm_topk_prob=False``);
+- ``softmax`` without it: the top k logits, then a softmax over those k, which equals the top k of the full
+  softmax renormalised to 1 (Mixtral, Qwen3-MoE, ``norm_topk_prob=True``); with k = 1 that is always 1 and
+  gives the router no gradient, so megatron refuses it;
+- ``sigmoid``: per-expert sigmoid scores, the top k (chosen by score + ``expert_bias`` with
+  ``moe_router_enable_expert_bias``, DeepSeek-V3's aux-loss-free balancing), renormalised when k > 1;
+  ``moe_router_pre_softmax`` changes nothing here;
+- ``moe_router_topk_scaling_factor`` then multiplies the probabilities, whichever path (DeepSeek's
+  ``routed_scaling_factor``).
 """
 
 from __future__ import annotations
@@ -13,6 +31,7 @@ import dataclasses
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 class ModelConfigError(ValueError):
@@ -40,13 +59,24 @@ class ModelConfig:
     # biases of every other linear layer (the attention output and both MLP projections)
     add_bias_linear: bool = False
     tie_embeddings: bool = False
+    # a norm over each head's queries and keys, of the head size (Qwen3)
+    qk_layernorm: bool = False
+    # Mixture of Experts, megatron's meanings (module docstring); num_experts None is a dense model
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int = 2
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_enable_expert_bias: bool = False
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "vocab_size", "max_position_embeddings", "seq_length"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelConfigError(f"{name}={value!r}: must be a positive integer")
+            _positive(name, getattr(self, name))
         for name, allowed in (("normalization", NORMALIZATIONS), ("activation", ACTIVATIONS),
                               ("position_embedding", POSITION_EMBEDDINGS)):
             if getattr(self, name) not in allowed:
@@ -60,10 +90,84 @@ class ModelConfig:
         if self.seq_length > self.max_position_embeddings:
             raise ModelConfigError(f"seq_length={self.seq_length} exceeds max_position_embeddings="
                                    f"{self.max_position_embeddings}: lower seq_length")
+        # one spelling per model, so that equal weights compare equal: a list pattern as a tuple, and no
+        # shared expert as None (megatron's "none"; 0 reads the same)
+        if isinstance(self.moe_layer_freq, list):
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        if self.moe_shared_expert_intermediate_size == 0:
+            object.__setattr__(self, "moe_shared_expert_intermediate_size", None)
+        if self.num_experts is None:
+            self._check_dense()
+        else:
+            self._check_experts()
+            self._check_router()
+
+    def _check_dense(self) -> None:
+        """A dense model carries no expert settings: one set without ``num_experts`` is a mistake, not a
+        choice megatron would honour."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("moe_")}
+        given = [f"{name}={getattr(self, name)!r}" for name, default in defaults.items()
+                 if getattr(self, name) != default]
+        if given:
+            raise ModelConfigError(f"{', '.join(given)} on a dense model (num_experts=None): set num_experts, or "
+                                   "leave the MoE settings at their defaults")
+
+    def _check_experts(self) -> None:
+        _positive("num_experts", self.num_experts)
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            if len(freq) != self.num_layers or set(freq) - {0, 1} or 1 not in freq:
+                raise ModelConfigError(
+                    f"moe_layer_freq={list(freq)}: a pattern needs one 0 (dense) or 1 (MoE) per layer, "
+                    f"{self.num_layers} in all, with at least one 1")
+        else:
+            _positive("moe_layer_freq", freq)
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ModelConfigError("moe_shared_expert_gate=True without a shared expert: set "
+                                   "moe_shared_expert_intermediate_size")
+        if self.moe_shared_expert_intermediate_size is not None and self.add_bias_linear:
+            raise ModelConfigError("a shared expert with add_bias_linear=True: megatron's shared experts have "
+                                   "no biases; set add_bias_linear=False or drop the shared expert")
+
+    def _check_router(self) -> None:
+        _positive("moe_router_topk", self.moe_router_topk)
+        if self.moe_router_topk > self.num_experts:
+            raise ModelConfigError(f"moe_router_topk={self.moe_router_topk} exceeds num_experts="
+                                   f"{self.num_experts}: route each token to at most that many experts")
+        if self.moe_router_score_function not in SCORE_FUNCTIONS:
+            raise ModelConfigError(f"moe_router_score_function={self.moe_router_score_function!r}: use one of "
+                                   f"{', '.join(SCORE_FUNCTIONS)}")
+        if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
+                and not self.moe_router_pre_softmax):
+            raise ModelConfigError("moe_router_topk=1 with the softmax after the top-k gives every token a "
+                                   "probability of 1 and the router no gradient: set moe_router_pre_softmax=True")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ModelConfigError("moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' "
+                                   "(megatron's aux-loss-free balancing biases sigmoid scores)")
+        factor = self.moe_router_topk_scaling_factor
+        if factor is not None and not factor > 0:
+            raise ModelConfigError(f"moe_router_topk_scaling_factor={factor!r}: must be positive, or None for "
+                                   "no scaling")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each routed expert's FFN size: megatron's ``moe_ffn_hidden_size``, which defaults to the FFN's."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def moe_layer_pattern(self) -> tuple[int, ...]:
+        """1 for each layer whose MLP is a MoE layer, 0 for a dense one, as megatron reads moe_layer_freq."""
+        if self.num_experts is None:
+            return (0,) * self.num_layers
+        if isinstance(self.moe_layer_freq, tuple):
+            return self.moe_layer_freq
+        return tuple(int(i % self.moe_layer_freq == 0) for i in range(self.num_layers))
 
     def replace(self, **overrides) -> "ModelConfig":
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
@@ -72,30 +176,78 @@ class ModelConfig:
                                    f"{', '.join(f.name for f in dataclasses.fields(self))}")
         return dataclasses.replace(self, **overrides)
 
-    def check_layout(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
-        """Refuse a tensor/pipeline layout megatron would fail on later, deep inside a layer."""
-        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+    def check_layout(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
+                     etp: int | None = None) -> None:
+        """Refuse a tensor/pipeline/expert layout megatron would fail on later, deep inside a layer. ``etp``
+        (expert tensor parallel) defaults to ``tp``, as in megatron."""
+        etp = tp if etp is None else etp
+        split = [("num_attention_heads", tp, "tensor"), ("num_query_groups", tp, "tensor"),
+                 ("vocab_size", tp, "tensor")]
+        if 0 in self.moe_layer_pattern():
+            split.append(("ffn_hidden_size", tp, "tensor"))
+        if self.num_experts is not None:
+            split += [("expert_ffn_hidden_size", etp, "expert tensor"),
+                      ("moe_shared_expert_intermediate_size", tp, "tensor")]
+        for name, size, kind in split:
             value = getattr(self, name)
-            if value % tp:
-                raise ModelConfigError(
-                    f"tensor parallel size {tp} does not divide {name}={value}: choose a TP size that "
-                    f"divides {name}")
+            if value is not None and value % size:
+                raise ModelConfigError(f"{kind} parallel size {size} does not divide {name}={value}: choose a "
+                                       f"{kind} parallel size that divides {name}")
         stages = pp * (vpp or 1)
         if self.num_layers % stages:
             raise ModelConfigError(
                 f"{self.num_layers} layers cannot be split evenly into {pp} pipeline stages"
                 + (f" x {vpp} virtual stages" if vpp else "") + ": choose sizes whose product divides "
                 f"num_layers")
+        self._check_expert_layout(ep, etp)
+
+    def _check_expert_layout(self, ep: int, etp: int) -> None:
+        if self.num_experts is None:
+            if ep > 1:
+                raise ModelConfigError(f"expert parallel size {ep} for a dense model: set num_experts, or use 1")
+            return
+        if self.num_experts % ep:
+            raise ModelConfigError(f"expert parallel size {ep} does not divide num_experts={self.num_experts}: "
+                                   "choose an EP size that divides the number of experts")
+        if self.add_bias_linear and etp > 1:
+            raise ModelConfigError(f"expert tensor parallel size {etp} with add_bias_linear=True: megatron "
+                                   "supports expert biases only at expert tensor parallel size 1")
 
     def num_parameters(self) -> int:
-        """Parameter count, each tied weight counted once (as Hugging Face and megatron count)."""
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
-        qkv_rows = (self.num_attention_heads + 2 * self.num_query_groups) * d
+        """Parameter count, each tied weight counted once (as Hugging Face and megatron count), every expert
+        included."""
+        h = self.hidden_size
         norm = 2 * h if self.normalization == "LayerNorm" else h
-        fc1_rows = 2 * f if self.activation == "swiglu" else f
-        per_layer = (2 * norm + qkv_rows * h + h * h + fc1_rows * h + f * h
-                     + (qkv_rows if self.add_qkv_bias else 0)
-                     + (h + fc1_rows + h if self.add_bias_linear else 0))
+        layers = sum(self.layer_parameters(moe) for moe in self.moe_layer_pattern())
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         positions = self.max_position_embeddings * h if self.position_embedding == "learned_absolute" else 0
-        return self.num_layers * per_layer + norm + embeddings + positions
+        return layers + norm + embeddings + positions
+
+    def layer_parameters(self, moe: bool) -> int:
+        """One transformer layer's parameters: attention, norms and a dense MLP or a MoE block."""
+        h, d = self.hidden_size, self.head_dim
+        qkv_rows = (self.num_attention_heads + 2 * self.num_query_groups) * d
+        norm = 2 * h if self.normalization == "LayerNorm" else h
+        qk_norms = 2 * (2 * d if self.normalization == "LayerNorm" else d) if self.qk_layernorm else 0
+        attention = (qkv_rows * h + h * h + (qkv_rows if self.add_qkv_bias else 0)
+                     + (h if self.add_bias_linear else 0) + qk_norms)
+        return 2 * norm + attention + (self.moe_parameters() if moe else self.mlp_parameters(self.ffn_hidden_size))
+
+    def mlp_parameters(self, ffn: int) -> int:
+        """An MLP of FFN size ``ffn``: FC1 (two halves with SwiGLU) and FC2, with their biases if any."""
+        fc1_rows = 2 * ffn if self.activation == "swiglu" else ffn
+        biases = fc1_rows + self.hidden_size if self.add_bias_linear else 0
+        return fc1_rows * self.hidden_size + ffn * self.hidden_size + biases
+
+    def moe_parameters(self) -> int:
+        """A MoE block: the router (one row per expert), every routed expert, the shared expert and its gate."""
+        h = self.hidden_size
+        router = self.num_experts * (h + (1 if self.add_bias_linear else 0))
+        shared = self.moe_shared_expert_intermediate_size
+        return (router + self.num_experts * self.mlp_parameters(self.expert_ffn_hidden_size)
+                + (self.mlp_parameters(shared) if shared else 0) + (h if self.moe_shared_expert_gate else 0))
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelConfigError(f"{name}={value!r}: must be a positive integer")

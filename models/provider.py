@@ -2,7 +2,11 @@
 for a pipeline rank, and a Megatron-LM-shaped ``model_provider(pre_process, post_process, vp_stage)``.
 
 The layer spec is megatron's own ``get_gpt_layer_local_spec``: with ``import adapter`` it yields the
-kernel provider's norm and core attention (patches/kernels.py), so the same spec serves every backend.
+kernel provider's norm and core attention (patches/kernels.py), so the same spec serves every backend. A
+Mixture-of-Experts model gets megatron's own ``get_gpt_decoder_block_spec`` over the same local layer specs:
+it places MoE and dense layers as ``moe_layer_freq`` says and keeps this pipeline stage's, and its MoE layers
+use megatron's grouped experts (``TEGroupedMLP`` over the kernel provider's grouped GEMM) when the config
+says ``moe_grouped_gemm``, else ``SequentialMLP``; both checkpoint under the same keys.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 from . import get as named_model
@@ -39,6 +43,7 @@ def transformer_config(model: ModelConfig, **overrides) -> TransformerConfig:
         activation_func=activation,
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
@@ -52,10 +57,33 @@ def transformer_config(model: ModelConfig, **overrides) -> TransformerConfig:
         use_cpu_initialization=True,
         cuda_graph_scope=[],  # megatron's default, "full", is deprecated and warns in every config
     )
+    if model.num_experts is not None:
+        settings.update(_moe_settings(model))
     settings.update(overrides)
     model.check_layout(settings["tensor_model_parallel_size"], settings["pipeline_model_parallel_size"],
-                       settings["virtual_pipeline_model_parallel_size"])
+                       settings["virtual_pipeline_model_parallel_size"], settings.get("expert_model_parallel_size", 1),
+                       settings.get("expert_tensor_parallel_size"))
     return TransformerConfig(**settings)
+
+
+def _moe_settings(model: ModelConfig) -> dict:
+    """The TransformerConfig fields of the experts and the router; the expert-parallel sizes default to the
+    initialised groups, like the other parallel sizes."""
+    layer_freq = model.moe_layer_freq
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_ffn_hidden_size=model.expert_ffn_hidden_size,
+        moe_router_topk=model.moe_router_topk,
+        moe_layer_freq=list(layer_freq) if isinstance(layer_freq, tuple) else layer_freq,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=model.moe_shared_expert_gate,
+        moe_router_score_function=model.moe_router_score_function,
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
+        moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+    )
 
 
 def build_model(model: ModelConfig, config: TransformerConfig, vp_stage: int | None = None,
@@ -65,9 +93,14 @@ def build_model(model: ModelConfig, config: TransformerConfig, vp_stage: int | N
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if model.num_experts is None:
+        spec = get_gpt_layer_local_spec(normalization=model.normalization, qk_layernorm=model.qk_layernorm)
+    else:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=model.normalization,
+                                          vp_stage=vp_stage)
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=model.normalization),
+        transformer_layer_spec=spec,
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,
@@ -98,7 +131,14 @@ _ARG_FIELDS = {
     "num_attention_heads": "num_attention_heads", "max_position_embeddings": "max_position_embeddings",
     "seq_length": "seq_length", "normalization": "normalization", "norm_epsilon": "norm_epsilon",
     "position_embedding_type": "position_embedding", "rotary_base": "rotary_base",
+    "num_experts": "num_experts", "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "moe_router_topk": "moe_router_topk", "moe_layer_freq": "moe_layer_freq",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    "moe_router_score_function": "moe_router_score_function",
+    "moe_router_topk_scaling_factor": "moe_router_topk_scaling_factor",
 }
+# Megatron-LM's switches that are ModelConfig fields of the same meaning.
+_SWITCH_FIELDS = ("qk_layernorm", "moe_shared_expert_gate", "moe_router_pre_softmax", "moe_router_enable_expert_bias")
 
 
 def config_from_args(args: argparse.Namespace) -> ModelConfig:
@@ -106,11 +146,16 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
     when set, with every architecture argument the namespace sets (not None) applied over it.
 
     Megatron-LM's switches (--swiglu, --disable-bias-linear, --add-qkv-bias, --group-query-attention,
-    --untie-embeddings-and-output-weights) default to False, which cannot be told from "not given": over
-    a named model only a switch that is on changes it; without one, they are read as they are."""
+    --untie-embeddings-and-output-weights, --qk-layernorm, --moe-shared-expert-gate, ...) default to False,
+    which cannot be told from "not given": over a named model only a switch that is on changes it; without
+    one, they are read as they are. ``--num-experts 0`` means a dense model, as in Megatron-LM: over a named
+    MoE model it drops the named model's expert settings."""
     name = getattr(args, "model", None)
     settings = dict(vars(named_model(name))) if name else {}
     given = {k: v for k, v in vars(args).items() if v is not None}
+    if given.get("num_experts") == 0:
+        settings = {k: v for k, v in settings.items() if not k.startswith("moe_")}
+        given["num_experts"] = None
     settings.update({field: given[arg] for arg, field in _ARG_FIELDS.items() if arg in given})
 
     def switch(arg: str):
@@ -128,7 +173,8 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
     for arg, field, meaning in (("swiglu", "activation", lambda on: "swiglu" if on else "gelu"),
                                 ("disable_bias_linear", "add_bias_linear", lambda on: not on),
                                 ("add_qkv_bias", "add_qkv_bias", bool),
-                                ("untie_embeddings_and_output_weights", "tie_embeddings", lambda on: not on)):
+                                ("untie_embeddings_and_output_weights", "tie_embeddings", lambda on: not on),
+                                *((field, field, bool) for field in _SWITCH_FIELDS)):
         value = switch(arg)
         if value is not None:
             settings[field] = meaning(value)

@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
 # The tiny Qwen on any machine: prepares the shipped sample corpus (a 512-piece sentencepiece model trained
 # on it, then Megatron .bin/.idx), and trains qwen2.5-tiny with TP 2 x PP 2 on 4 processes (gloo on a CPU;
-# NCCL or HCCL where there are devices), evaluating as it goes and saving at the end.
+# NCCL or HCCL where there are devices), evaluating as it goes and saving at the end. MODEL=gpt-tiny-moe (or
+# any MoE model of models.names()) trains the Mixture-of-Experts flavor instead: PP 2, the experts over EP 2
+# (the rest data parallel over 2), megatron's grouped experts and all-to-all dispatcher, aux loss 1e-2.
 #
 #   bash scripts/pretrain_qwen_tiny.sh                      # 300 iterations into ./qwen-tiny-run
 #   EXIT_INTERVAL=150 bash scripts/pretrain_qwen_tiny.sh    # stop (and save) at 150 ...
 #   bash scripts/pretrain_qwen_tiny.sh                      # ... and this run resumes there
+#   MODEL=gpt-tiny-moe bash scripts/pretrain_qwen_tiny.sh   # the MoE model into ./gpt-tiny-moe-run
 #
-# Environment (default): OUTPUT_DIR (./qwen-tiny-run: data, checkpoints, tensorboard), TRAIN_ITERS (300),
-# EVAL_INTERVAL (50), EXIT_INTERVAL (none), PYTHON (python3), EXTRA_ARGS (appended to the arguments).
+# Environment (default): MODEL (qwen2.5-tiny), OUTPUT_DIR (./qwen-tiny-run, ./MODEL-run for another model:
+# data, checkpoints, tensorboard), TRAIN_ITERS (300), EVAL_INTERVAL (50), EXIT_INTERVAL (none), PYTHON
+# (python3), EXTRA_ARGS (appended to the arguments).
 # A run finds its checkpoint in OUTPUT_DIR/checkpoints and continues from it; delete the folder to restart.
 # scripts/plot_loss.py OUTPUT_DIR/tensorboard draws the curves.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-: "${OUTPUT_DIR:=qwen-tiny-run}" "${TRAIN_ITERS:=300}" "${EVAL_INTERVAL:=50}"
+: "${MODEL:=qwen2.5-tiny}" "${TRAIN_ITERS:=300}" "${EVAL_INTERVAL:=50}"
+if [[ "$MODEL" == qwen2.5-tiny ]]; then : "${OUTPUT_DIR:=qwen-tiny-run}"; else : "${OUTPUT_DIR:=$MODEL-run}"; fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # 4 processes share the cores: one thread each
+
+# a MoE model (the named config has experts): PP 2 x EP 2; otherwise TP 2 x PP 2 with sequence parallelism
+if PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c \
+        "import sys, models; sys.exit(models.get(sys.argv[1]).num_experts is None)" "$MODEL" 2>/dev/null; then
+    LAYOUT=(--pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --moe-grouped-gemm
+            --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2)
+else
+    LAYOUT=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel)
+fi
 
 mkdir -p "$OUTPUT_DIR"
 if [[ ! -f "$OUTPUT_DIR/data/tokenizer.model" ]]; then
@@ -27,8 +41,7 @@ fi
 
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 ARGS=(
-    --model qwen2.5-tiny
-    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
+    --model "$MODEL" "${LAYOUT[@]}"
     --use-distributed-optimizer --overlap-grad-reduce
     --micro-batch-size 4 --global-batch-size 16 --seq-length 64
     --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import signal
 from pathlib import Path
@@ -28,6 +29,14 @@ def run_pretrain(argv: list[str]) -> dict:
                             forward_step, argv=argv)
     torch.distributed.destroy_process_group()
     return history
+
+
+def run_pretrain_printing(argv: list[str]) -> dict:
+    """As run_pretrain, with what this rank printed under "stdout" (the last rank prints the iteration lines)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        history = run_pretrain(argv)
+    return {**history, "stdout": printed.getvalue()}
 
 
 # the steps of a save, each named by what has just happened when the test kills every process

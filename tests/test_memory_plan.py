@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -265,3 +266,105 @@ def test_launch_passes_the_environment_to_torchrun(tmp_path):
                         if "=" in line)
     assert launched_env["HCCL_CONNECT_TIMEOUT"] == "600"  # the caller's value wins over the default
     assert launched_env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and "ADAPTER_BACKEND" not in launched_env
+
+
+# Qwen2-57B-A14B (huggingface.co/Qwen/Qwen2-57B-A14B config.json): 64 experts of FFN 2560, top 8, a gated
+# shared expert of 20480, every layer MoE
+QWEN2_57B = ModelConfig(num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28,
+                        num_query_groups=4, vocab_size=151936, max_position_embeddings=131072, seq_length=4096,
+                        norm_epsilon=1e-6, rotary_base=1e6, add_qkv_bias=True, num_experts=64,
+                        moe_ffn_hidden_size=2560, moe_router_topk=8, moe_shared_expert_intermediate_size=20480,
+                        moe_shared_expert_gate=True, moe_router_pre_softmax=True)
+# 32 devices: TP2 x PP4 x DP4 for the dense part, EP4 x expert DP2 for the experts
+MOE_LAYOUT = dict(tp=2, pp=4, dp=4, ep=4, etp=1, micro_batch_size=1, global_batch_size=64, seq_length=4096)
+
+
+def test_moe_57b_is_the_published_size():
+    assert QWEN2_57B.num_parameters() == pytest.approx(57.41e9, rel=1e-4)
+
+
+def test_moe_weights_grads_optimizer_by_hand():
+    """Per layer by hand: attention, shared expert split over TP 2; norms, router and shared-expert gate
+    whole; 64 experts over EP 4, 16 per device; Adam's 12 bytes over DP 4, the experts' over expert DP 2."""
+    h, qkv, experts, vocab = 3584, (28 + 2 * 4) * 128, 64, 151936
+    split = qkv * h + qkv + h * h + 3 * 20480 * h
+    whole = 2 * h + experts * h + h
+    routed = experts * 3 * 2560 * h
+    result = plan(QWEN2_57B, **MOE_LAYOUT)
+    for stage in result.stages:
+        first, last = stage.stage == 0, stage.stage == 3
+        local_experts = 7 * routed // 4
+        parameters = (7 * split + vocab * h * (first + last)) // 2 + 7 * whole + h * last + local_experts
+        assert (stage.parameters, stage.expert_parameters) == (parameters, local_experts)
+        assert (stage.weights, stage.grads) == (parameters * 2, parameters * 4)
+        assert stage.optimizer == (parameters - local_experts) * 12 // 4 + local_experts * 12 // 2
+    assert sum(s.expert_parameters for s in result.stages) * 4 == 28 * routed  # every expert on one EP rank
+
+
+def test_moe_activations_by_hand():
+    """One MoE layer per token, flash attention, sequence parallel over t = 2: the router's fp32 logits and
+    scores with the sequence region; each token's 8 copies in the dispatcher's permuted tokens (h each) and
+    what each expert's SwiGLU keeps (3 x 2560 each); the shared expert's SwiGLU."""
+    e, h, a, g, d, t = 2, 3584, 28, 4, 128, 2
+    sequence_region = 4 * e * h + 8 * 64
+    attention = e * (a * d + 2 * g * d) + e * h + 4 * a
+    moe = 8 * (e * h + 3 * e * 2560) + 3 * e * 20480
+    layer = 4096 * (sequence_region + attention + moe) / t
+    result = plan(QWEN2_57B, **MOE_LAYOUT)
+    assert [s.passes_in_flight for s in result.stages] == [4, 3, 2, 1]
+    for stage in result.stages:
+        assert stage.activations == round(stage.passes_in_flight * 7 * layer)
+
+
+def test_moe_layers_per_stage_follow_the_pattern():
+    alternating = QWEN2_57B.replace(moe_layer_freq=(0, 1) * 14)
+    one_f_one_b = plan(alternating, **MOE_LAYOUT)
+    routed_layer = 64 * 3 * 2560 * 3584 // 4
+    assert [s.expert_parameters for s in one_f_one_b.stages] == [3 * routed_layer, 4 * routed_layer,
+                                                                 3 * routed_layer, 4 * routed_layer]
+    # 7 virtual stages of one layer: pipeline rank r holds layers r, r + 4, ..., all dense on even ranks
+    interleaved = plan(alternating, **MOE_LAYOUT, vpp=7)
+    assert [s.expert_parameters for s in interleaved.stages] == [0, 7 * routed_layer, 0, 7 * routed_layer]
+    dense, moe = interleaved.stages[0], interleaved.stages[1]
+    assert moe.activations / moe.passes_in_flight > dense.activations / dense.passes_in_flight
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(ep=3), ModelConfigError, "expert parallel size 3 does not divide num_experts=64"),
+    (dict(ep=16), PlanError, "the 8 devices of a pipeline stage (TP 2 x DP 4 x CP 1) are not divisible by expert "
+                             "TP 1 x EP 16"),
+    (dict(etp=3, ep=1), ModelConfigError, "expert tensor parallel size 3 does not divide expert_ffn_hidden_size"),
+])
+def test_moe_layout_errors(change, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        plan(QWEN2_57B, **{**MOE_LAYOUT, **change})
+
+
+MOE_ARGS = ["--num-layers", "28", "--hidden-size", "3584", "--ffn-hidden-size", "18944", "--num-attention-heads", "28",
+            "--group-query-attention", "--num-query-groups", "4", "--vocab-size", "151936", "--seq-length", "4096",
+            "--max-position-embeddings", "131072", "--norm-epsilon", "1e-6", "--rotary-base", "1e6", "--swiglu",
+            "--disable-bias-linear", "--add-qkv-bias", "--num-experts", "64", "--moe-ffn-hidden-size", "2560",
+            "--moe-router-topk", "8", "--moe-shared-expert-intermediate-size", "20480", "--moe-shared-expert-gate",
+            "--moe-router-pre-softmax", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+            "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1", "--sequence-parallel",
+            "--bf16", "--use-distributed-optimizer", "--use-flash-attn", "--micro-batch-size", "1",
+            "--global-batch-size", "64", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def test_cli_moe_table(capsys):
+    assert memory_plan.main(["--world-size", "32", *MOE_ARGS]) == 0
+    out = capsys.readouterr().out
+    expected = plan(QWEN2_57B, **MOE_LAYOUT)
+    assert "experts: EP 4 x expert TP 1 x expert DP 2, 16 of 64 per device" in out
+    assert "distributed optimizer over 4 ranks (experts over 2)" in out
+    line = next(line for line in out.splitlines() if line.startswith("of which experts (M)"))
+    assert line.split()[4:] == [f"{s.expert_parameters / 1e6:.1f}" for s in expected.stages]
+    for row in ("weights", "optimizer", "activations", "total"):
+        line = next(line for line in out.splitlines() if line.startswith(f"{row} (GiB)"))
+        assert line.split()[2:] == [f"{s.gib()[row]:.2f}" for s in expected.stages]
+
+
+def test_cli_moe_world_size_error(capsys):
+    assert memory_plan.main(["--world-size", "32", *MOE_ARGS, "--expert-model-parallel-size", "16"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: world size 32 is not divisible by expert TP 1 x EP 16 x PP 4 = 64")

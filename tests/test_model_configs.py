@@ -1,5 +1,6 @@
 """Named model configs: each Qwen2.5 equals its published config.json, and every named model, built by
-megatron-core on the meta device, has the parameter count of the Hugging Face model of the same config."""
+megatron-core on the meta device, has the parameter count of the Hugging Face model of the same config
+(Mixtral or Qwen2-MoE for the MoE ones; more MoE variants in tests/test_moe_flow.py)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,12 @@ def _megatron_parameters(model) -> int:
 
 def _hf_parameters(model) -> int:
     transformers = pytest.importorskip("transformers")
+    if model.num_experts is not None:
+        from tests.test_moe_flow import _hf_moe
+
+        shared = model.moe_shared_expert_intermediate_size is not None
+        hf = _hf_moe(model, "Qwen2MoeForCausalLM" if shared else "MixtralForCausalLM")
+        return sum(p.numel() for p in hf.parameters())
     if model.position_embedding == "learned_absolute":  # the GPT-3 shapes: GPT-2's architecture
         config = transformers.GPT2Config(
             vocab_size=model.vocab_size, n_positions=model.max_position_embeddings, n_embd=model.hidden_size,
@@ -142,3 +149,64 @@ def test_config_from_megatron_style_args():
         2, 256, "swiglu", False)
     with pytest.raises(ModelConfigError, match="pass --model NAME or every architecture argument"):
         config_from_args(argparse.Namespace(num_layers=2))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(num_experts=0), "num_experts=0: must be a positive integer"),
+    (dict(num_experts=8, moe_router_topk=9), "moe_router_topk=9 exceeds num_experts=8"),
+    (dict(num_experts=8, moe_router_topk=1), "moe_router_topk=1 with the softmax after the top-k"),
+    (dict(num_experts=8, moe_layer_freq=(1, 0)), r"moe_layer_freq=\[1, 0\]: a pattern needs one 0 \(dense\) or 1"),
+    (dict(num_experts=8, moe_layer_freq=(0, 0, 0, 0)), "with at least one 1"),
+    (dict(num_experts=8, moe_layer_freq=0), "moe_layer_freq=0: must be a positive integer"),
+    (dict(num_experts=8, moe_router_score_function="relu"), "moe_router_score_function='relu': use one of"),
+    (dict(num_experts=8, moe_router_enable_expert_bias=True), "needs moe_router_score_function='sigmoid'"),
+    (dict(num_experts=8, moe_shared_expert_gate=True), "moe_shared_expert_gate=True without a shared expert"),
+    (dict(num_experts=8, moe_shared_expert_intermediate_size=64, add_bias_linear=True),
+     "a shared expert with add_bias_linear=True"),
+    (dict(moe_ffn_hidden_size=64, moe_router_topk=4), "moe_ffn_hidden_size=64, moe_router_topk=4 on a dense model"),
+])
+def test_moe_settings_megatron_would_refuse_are_refused_by_name(settings, message):
+    with pytest.raises(ModelConfigError, match=message):
+        models.get("gpt-tiny", **settings)
+
+
+def test_moe_config_spellings():
+    moe = models.get("gpt-tiny", num_experts=4, moe_layer_freq=[0, 1, 0, 1], moe_shared_expert_intermediate_size=0)
+    assert moe == models.get("gpt-tiny", num_experts=4, moe_layer_freq=(0, 1, 0, 1))
+    assert moe.expert_ffn_hidden_size == moe.ffn_hidden_size and moe.moe_shared_expert_intermediate_size is None
+    assert models.get("gpt-tiny", num_experts=4, moe_layer_freq=3).moe_layer_pattern() == (1, 0, 0, 1)
+
+
+@pytest.mark.parametrize("layout, message", [
+    (dict(ep=3), "expert parallel size 3 does not divide num_experts=8"),
+    (dict(tp=2, etp=3), "expert tensor parallel size 3 does not divide expert_ffn_hidden_size=64"),
+    (dict(tp=3), "tensor parallel size 3 does not divide num_attention_heads=4"),
+])
+def test_moe_layouts_megatron_would_fail_on_are_refused_by_name(layout, message):
+    with pytest.raises(ModelConfigError, match=message):
+        models.get("gpt-tiny-moe").check_layout(**layout)
+    with pytest.raises(ModelConfigError, match="expert parallel size 2 for a dense model"):
+        models.get("gpt-tiny").check_layout(ep=2)
+    with pytest.raises(ModelConfigError, match="expert tensor parallel size 2 with add_bias_linear=True"):
+        models.get("gpt-tiny-moe", add_bias_linear=True).check_layout(tp=2)
+    models.get("gpt-tiny-moe").check_layout(tp=2, ep=8, etp=1)
+    # all layers MoE: the unused dense FFN size need not divide by TP
+    models.get("gpt-tiny-moe", ffn_hidden_size=100).check_layout(tp=2)
+
+
+def test_moe_config_from_megatron_style_args():
+    from models.provider import config_from_args
+
+    off = dict(moe_shared_expert_gate=False, moe_router_pre_softmax=False, moe_router_enable_expert_bias=False,
+               qk_layernorm=False)
+    # over a named MoE model, switches that are off (Megatron-LM's defaults) change nothing
+    assert config_from_args(argparse.Namespace(model="gpt-tiny-moe-shared", **off)) == models.get("gpt-tiny-moe-shared")
+    args = argparse.Namespace(model="gpt-tiny", num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=1,
+                              moe_layer_freq=[1, 0, 1, 0], moe_shared_expert_intermediate_size=64,
+                              moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.0,
+                              **{**off, "moe_shared_expert_gate": True, "moe_router_enable_expert_bias": True,
+                                 "qk_layernorm": True})
+    assert config_from_args(args) == models.get(
+        "gpt-tiny", num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=1, moe_layer_freq=(1, 0, 1, 0),
+        moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True, moe_router_score_function="sigmoid",
+        moe_router_topk_scaling_factor=2.0, moe_router_enable_expert_bias=True, qk_layernorm=True)

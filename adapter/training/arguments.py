@@ -10,6 +10,7 @@ is one ``ArgumentError`` naming the values and the fix.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 from typing import NoReturn
@@ -37,6 +38,7 @@ def _model(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pads the tokenizer's vocabulary (not a named model's, which is padded already)")
@@ -52,6 +54,96 @@ def _model(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion")
     g.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true")
+
+
+# the longest --moe-layer-freq pattern accepted: far more layers than any model has, far less memory than
+# a pattern like "[1]*10**12" would take
+_MAX_PATTERN = 100_000
+
+
+def moe_freq_type(text: str) -> int | list[int]:
+    """``--moe-layer-freq``: an int N (every N-th layer is a MoE layer, from layer 0), or a Python list
+    expression of 0s (dense) and 1s (MoE), one per layer, such as ``"([0]+[1]*3)*2"``. Megatron-LM
+    evaluates the expression after checking its characters; here only integer literals, lists of them,
+    ``+`` between lists and ``*`` between a list and an int are evaluated, and nothing else runs."""
+    if "[" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor a list pattern") from None
+    try:
+        pattern = _pattern(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a pattern of lists of ints, + and *: {exc}") from None
+    if not isinstance(pattern, list):
+        raise argparse.ArgumentTypeError(f"{text!r} is an int, not a list pattern")
+    return pattern
+
+
+def _pattern(node: ast.AST) -> int | list[int]:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        items = [_pattern(item) for item in node.elts]
+        if any(isinstance(item, list) for item in items):
+            raise ValueError("lists inside lists")
+        return items
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern(node.left), _pattern(node.right)
+        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            return _bounded(left + right)
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+            items, times = (left, right) if isinstance(left, list) else (right, left)
+            if len(items) * max(times, 0) > _MAX_PATTERN:
+                raise ValueError(f"more than {_MAX_PATTERN} entries")
+            return items * times
+        raise ValueError("+ joins two lists and * repeats a list an int number of times")
+    raise ValueError(f"{ast.unparse(node)!r} is not allowed")
+
+
+def _bounded(items: list) -> list:
+    if len(items) > _MAX_PATTERN:
+        raise ValueError(f"more than {_MAX_PATTERN} entries")
+    return items
+
+
+def add_moe_model_arguments(g) -> None:
+    """Megatron-LM's MoE arguments that define the weights and the routing (ModelConfig fields). They
+    default to None (switches to False) so that a named model supplies them; unset on a model without
+    one, they take Megatron-LM's defaults (ModelConfig's)."""
+    g.add_argument("--num-experts", type=int, help="routed experts per MoE layer; 0 or none: a dense model")
+    g.add_argument("--moe-ffn-hidden-size", type=int, help="each routed expert's FFN size (default: --ffn-hidden-size)")
+    g.add_argument("--moe-router-topk", type=int, help="experts per token (default 2)")
+    g.add_argument("--moe-layer-freq", type=moe_freq_type,
+                   help="N: every N-th layer is MoE (default 1), or a pattern of 0/1 per layer, e.g. '([0]+[1]*3)*2'")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int,
+                   help="FFN size of the shared experts together (default: none)")
+    g.add_argument("--moe-shared-expert-gate", action="store_true")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], help="default softmax")
+    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float)
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true")
+
+
+def _moe(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mixture of experts")
+    add_moe_model_arguments(g)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, help="default: --tensor-model-parallel-size")
+    g.add_argument("--moe-grouped-gemm", action="store_true")
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float)
+    g.add_argument("--moe-shared-expert-overlap", action="store_true")
+    g.add_argument("--moe-permute-fusion", action="store_true")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-expert-capacity-factor", type=float, help="default: none (no token dropped)")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"])
+    g.add_argument("--moe-per-layer-logging", action="store_true")
 
 
 def _parallel(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +256,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = _Parser(description="Megatron-LM-style pretraining through the device adapter",
                                      allow_abbrev=False)
-    for add in (_model, _parallel, _training, _data, _checkpointing, _logging):
+    for add in (_model, _moe, _parallel, _training, _data, _checkpointing, _logging):
         add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -206,6 +298,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _check_sizes(args)
     _check_parallel_sizes(args, world_size)
     _check_model(args)
+    _check_experts(args)
     _check_virtual_pipeline(args)
     _check_batches(args)
     _check_precision_and_overlap(args)
@@ -221,10 +314,12 @@ POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "conte
             "num_attention_heads", "num_query_groups", "max_position_embeddings", "vocab_size", "rotary_base",
             "norm_epsilon", "make_vocab_size_divisible_by", "ddp_bucket_size", "distributed_timeout_minutes",
             "log_interval", "eval_interval", "save_interval", "exit_interval", "loss_scale", "initial_loss_scale",
-            "loss_scale_window", "recompute_num_layers")
+            "loss_scale_window", "recompute_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size",
+            "moe_ffn_hidden_size", "moe_router_topk")
 NOT_NEGATIVE = ("train_iters", "lr", "min_lr", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction",
                 "lr_warmup_init", "weight_decay", "clip_grad", "eval_iters", "num_workers", "hidden_dropout",
-                "attention_dropout", "init_method_std", "hysteresis", "min_loss_scale")
+                "attention_dropout", "init_method_std", "hysteresis", "min_loss_scale", "num_experts",
+                "moe_shared_expert_intermediate_size", "moe_z_loss_coeff", "moe_router_bias_update_rate")
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
@@ -242,6 +337,11 @@ def _check_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
     _require(world_size % model_parallel == 0,
              f"world size {world_size} is not divisible by TP {tp} x PP {pp} x CP {cp} = {model_parallel}: "
              "launch a multiple of that many processes or change the parallel sizes")
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
+    _require(world_size % (etp * ep * pp) == 0,
+             f"world size {world_size} is not divisible by expert TP {etp} x EP {ep} x PP {pp} = {etp * ep * pp} "
+             "(megatron lays the experts out over ETP x EP x expert-DP in each pipeline stage): launch a multiple "
+             "of that many processes or change --expert-model-parallel-size / --expert-tensor-parallel-size")
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
     if args.sequence_parallel and tp == 1:
@@ -307,6 +407,55 @@ def fit_vocab(args: argparse.Namespace, tokenizer_vocab: int) -> None:
     _check_layout(args)
 
 
+def _check_experts(args: argparse.Namespace) -> None:
+    """What megatron would refuse about the experts once the model is built (TransformerConfig's
+    ``__post_init__``, the MoE layer's first training step), or silently not use; then the expert tensor
+    parallel size defaults to TP, as in Megatron-LM. EP dividing the experts, and ETP their FFN, is the
+    layout check (``_check_layout``)."""
+    model, tp = args.model_config, args.tensor_model_parallel_size
+    if model.num_experts is None:
+        _refuse_expert_arguments(args)
+        return
+    _require(tp == 1 or args.sequence_parallel,
+             f"a MoE model at TP {tp} needs --sequence-parallel: megatron's MoE layer refuses to train with tensor "
+             "parallelism without it")
+    _require(not args.moe_pad_expert_input_to_capacity or args.moe_expert_capacity_factor is not None,
+             "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity it pads to)")
+    if args.moe_shared_expert_overlap:
+        _require(model.moe_shared_expert_intermediate_size is not None,
+                 "--moe-shared-expert-overlap without a shared expert: set --moe-shared-expert-intermediate-size")
+        _require(args.moe_token_dispatcher_type == "alltoall",
+                 f"--moe-shared-expert-overlap runs the shared expert during the all-to-all, which the "
+                 f"{args.moe_token_dispatcher_type} dispatcher has not: use --moe-token-dispatcher-type alltoall")
+    if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor < 0:
+        args.moe_expert_capacity_factor = None  # Megatron-LM's meaning of a negative factor: drop no token
+    _check_load_balancing(args)
+    args.expert_tensor_parallel_size = args.expert_tensor_parallel_size or tp
+
+
+def _check_load_balancing(args: argparse.Namespace) -> None:
+    """One aux-loss coefficient per load-balancing type, none negative; a single one of each is a plain
+    value, as Megatron-LM makes it."""
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    types, coeffs = (types if isinstance(types, list) else [types]), (coeffs if isinstance(coeffs, list) else [coeffs])
+    _require(len(types) == len(coeffs),
+             f"--moe-router-load-balancing-type {' '.join(types)} with --moe-aux-loss-coeff "
+             f"{' '.join(map(str, coeffs))}: give one coefficient per type")
+    _require(all(c >= 0 for c in coeffs), f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: must be zero or more")
+    args.moe_router_load_balancing_type = types[0] if len(types) == 1 else types
+    args.moe_aux_loss_coeff = coeffs[0] if len(coeffs) == 1 else coeffs
+
+
+def _refuse_expert_arguments(args: argparse.Namespace) -> None:
+    """A dense model with expert-parallel or MoE training arguments off their defaults: Megatron-LM would
+    ignore them (or fail on EP > 1); here they name the missing --num-experts."""
+    parser = build_parser()
+    given = [f"--{name.replace('_', '-')}" for name, value in sorted(vars(args).items())
+             if (name.startswith("moe_") or name.startswith("expert_")) and value != parser.get_default(name)]
+    _require(not given, f"{', '.join(given)} for a dense model: pass --num-experts N (or a MoE --model), or drop "
+                        f"{'it' if len(given) == 1 else 'them'}")
+
+
 def _check_virtual_pipeline(args: argparse.Namespace) -> None:
     pp, model = args.pipeline_model_parallel_size, args.model_config
     if args.num_layers_per_virtual_pipeline_stage is not None:
@@ -328,7 +477,8 @@ def _check_virtual_pipeline(args: argparse.Namespace) -> None:
 def _check_layout(args: argparse.Namespace) -> None:
     try:
         args.model_config.check_layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                       args.virtual_pipeline_model_parallel_size)
+                                       args.virtual_pipeline_model_parallel_size, args.expert_model_parallel_size,
+                                       args.expert_tensor_parallel_size)
     except _models().ModelConfigError as exc:
         raise ArgumentError(str(exc)) from exc
 

@@ -7,8 +7,11 @@ moves in, the tracker is replaced, the old copy goes, each step on disk before t
 killed at any instant leaves a complete checkpoint to resume from, and the next start puts back what
 the kill interrupted (``recover_interrupted_save``). A save that fails on any rank stops every rank
 with that error. The model and the distributed
-optimizer are saved resharding-capable (``fully_reshardable``), so a run resumes at another TP/PP/DP;
-RNG states are per TP/PP rank and are restored only on the layout that saved them (as Megatron-LM does).
+optimizer are saved resharding-capable (``fully_reshardable``), so a run resumes at another TP/PP/DP and,
+for a MoE model, another EP / expert TP: each expert is saved under its global index, so any EP finds its
+own. RNG states are per TP/PP rank (per DP rank too with EP > 1, where the expert-parallel random stream
+differs between data-parallel ranks) and are restored only on the layout that saved them (as Megatron-LM
+does).
 """
 
 from __future__ import annotations
@@ -22,24 +25,34 @@ import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
 from adapter import device
 from adapter.own_packages import import_own
+from adapter.training.arguments import ArgumentError
 from adapter.training.shared_outcome import shared_outcome
 
 mcore_checkpoint = import_own("models.checkpoint")
-OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Megatron-LM's sharded-state metadata: with it a MoE model's two optimizers (dense and expert parameters)
+# save each state under its parameter's key alone, not under its place in the chain, as Megatron-LM does.
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 def _rng_state() -> ShardedObject:
-    """This rank's random states, one object per (PP, TP) rank, replicated over data parallel."""
+    """This rank's random states, one object per (PP, TP) rank, replicated over data parallel; with EP > 1
+    one per (PP, TP, DP) rank, since the tracker's expert-parallel stream differs between the data-parallel
+    ranks that hold different experts (as Megatron-LM shards them)."""
     state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
              "device": device.get_rng_state(),
              "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
-    shape = (parallel_state.get_pipeline_model_parallel_world_size(),
-             parallel_state.get_tensor_model_parallel_world_size())
-    return ShardedObject("rng_state", [state], shape, (pp, tp), replica_id=parallel_state.get_data_parallel_rank())
+    ps = parallel_state
+    ranks = [ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()]
+    shape = [ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()]
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+    if ps.get_expert_model_parallel_world_size() == 1:
+        return ShardedObject("rng_state", [state], tuple(shape), tuple(ranks), replica_id=dp_rank)
+    shape.append(ps.get_data_parallel_world_size(with_context_parallel=True))
+    return ShardedObject("rng_state", [state], tuple(shape), (*ranks, dp_rank), replica_id=0)
 
 
 def _set_rng_state(states: list) -> None:
@@ -74,7 +87,19 @@ def _sharded_state(args, model: list, optimizer, scheduler, iteration: int, cons
 
 def _layout(args) -> dict:
     return {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-            "vpp": args.virtual_pipeline_model_parallel_size, "dp": args.data_parallel_size}
+            "vpp": args.virtual_pipeline_model_parallel_size, "dp": args.data_parallel_size,
+            "ep": args.expert_model_parallel_size,
+            "etp": args.expert_tensor_parallel_size or args.tensor_model_parallel_size}
+
+
+def _same_rng_layout(saved: dict, args) -> bool:
+    """Whether the checkpoint's RNG states belong to this layout's ranks: the same TP, PP, VPP, EP and
+    expert TP, and with EP > 1 the same DP (``_rng_state``). A checkpoint from before expert parallelism
+    was recorded had EP 1 and expert TP = TP."""
+    current = _layout(args)
+    saved = {"ep": 1, "etp": saved.get("tp"), **saved}
+    keys = ("tp", "pp", "vpp", "ep", "etp") + (("dp",) if current["ep"] > 1 else ())
+    return all(saved.get(key) == current[key] for key in keys)
 
 
 def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, consumed: dict) -> Path:
@@ -109,6 +134,51 @@ def _timeout(args) -> datetime.timedelta:
     return datetime.timedelta(minutes=args.distributed_timeout_minutes)
 
 
+def _fit_optimizer_chain(state: dict, optimizer, args) -> dict:
+    """The loaded optimizer state in the shape of this run's chain of optimizers.
+
+    megatron-core gives a MoE model's experts an optimizer of their own at EP > 1 and keeps them with the
+    dense parameters at EP 1, and it saves each optimizer's param groups (with Adam's step) as they are. The
+    distributed optimizer's parameter states are saved per parameter (fully reshardable, without chain
+    prefixes) and load into either chain, but the param groups come back in the saving chain's shape, which
+    megatron cannot read into another. Here each optimizer of this run gets the saved groups it needs, found
+    by megatron's group identifiers (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr); an expert group
+    the checkpoint lacks (it was saved at EP 1) is the dense group of the same multipliers."""
+    chain = optimizer.chained_optimizers
+    indices = sorted(key for key in state if isinstance(key, int))
+    if len(indices) in (0, len(state)):
+        return state  # saved by a chain of the same shape: one optimizer's entries, or one entry per optimizer
+    if not args.use_distributed_optimizer:
+        raise ArgumentError(
+            f"--load {args.load}: its optimizer was saved at another expert parallel size (a chain of "
+            f"{len(indices) if len(chain) == 1 else 1}, this run has {len(chain)}), which megatron's "
+            "non-distributed optimizer cannot read: load the weights alone with --no-load-optim, or train with "
+            "--use-distributed-optimizer, whose saved state every expert parallel size reads")
+    saved_single = "optimizer" in state
+    saved = [state] if saved_single else [state[i] for i in indices]
+    param_states = [state[i]["param_state"] for i in indices] if saved_single else [state["param_state"]]
+    groups = [group for entry in saved for group in entry["optimizer"]["param_groups"]]
+    common = {k: v for k, v in saved[0].items() if k not in ("optimizer", "param_state") and not isinstance(k, int)}
+    fitted = [{**common, "param_state": param_state,
+               "optimizer": {"param_groups": [_saved_group(groups, g) for g in member.optimizer.param_groups]}}
+              for member, param_state in zip(chain, param_states)]
+    return fitted[0] if len(fitted) == 1 else dict(enumerate(fitted))
+
+
+def _saved_group(groups: list[dict], needed: dict) -> dict:
+    """The saved param group with ``needed``'s identifiers; else one differing in is_expert_parallel only,
+    marked as ``needed`` is."""
+    def identity(group: dict, with_expert: bool = True) -> tuple:
+        return tuple(group[k] for k in param_group_identifier_keys if with_expert or k != "is_expert_parallel")
+
+    for with_expert in (True, False):
+        for group in groups:
+            if identity(group, with_expert) == identity(needed, with_expert):
+                return {**group, "is_expert_parallel": needed["is_expert_parallel"]}
+    wanted = dict(zip(param_group_identifier_keys, identity(needed)))
+    raise ArgumentError(f"the checkpoint's optimizer has no param group for {wanted}: load it with --no-load-optim")
+
+
 def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]:
     """Load ``args.load`` (the latest iteration, or a converted release) into model, optimizer and
     scheduler; returns the iteration to continue from and the consumed samples."""
@@ -121,7 +191,7 @@ def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]
     common = dist_checkpointing.load_common_state_dict(str(checkpoint))
     release = checkpoint.name == mcore_checkpoint.RELEASE
     weights_only = release or args.finetune
-    same_layout = common.get("layout", {}) == {**_layout(args), "dp": common.get("layout", {}).get("dp")}
+    same_layout = _same_rng_layout(common.get("layout", {}), args)
     with_optimizer = not (weights_only or args.no_load_optim or "opt_param_scheduler" not in common)
     with_rng = not (weights_only or args.no_load_rng) and same_layout
     state = _sharded_state(args, model, optimizer, scheduler, 0, consumed, is_loading=True,
@@ -134,7 +204,7 @@ def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]
         chunk.load_state_dict(loaded["model"] if len(chunks) == 1 else loaded[f"model{i}"])
     if with_optimizer:
         with torch.no_grad():  # megatron's loader copies into views of the parameters
-            optimizer.load_state_dict(loaded["optimizer"])
+            optimizer.load_state_dict(_fit_optimizer_chain(loaded["optimizer"], optimizer, args))
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if with_rng:
         _set_rng_state(loaded["rng_state"])

@@ -21,6 +21,13 @@ ranks, over which the distributed optimizer shards):
   parameter) is left out.
 - activations: below; ``logits``: the last stage's output layer and loss, below.
 
+A Mixture-of-Experts model's MoE layers split differently: their routed experts over EP x expert TP (each
+device holds E/EP experts, each 1/ETP of its FC1 and FC2), replicated over expert DP = TP x DP x CP / (ETP x
+EP) devices of a stage; the router (E x h) and a shared expert's gate are whole on every device, the shared
+expert is split over TP like an MLP. Weights and grads count the experts like any parameter (the grad buffer
+has a separate part for them); the distributed optimizer shards the dense part over D and the experts over
+expert DP. ``of which experts`` in the table is the routed experts' share of P.
+
 Not counted: the runtime's own memory (CUDA/CANN context, kernels' workspaces), communicator buffers
 (``HCCL_BUFFSIZE`` per group on Ascend), allocator fragmentation, and the backward pass's transient tensors
 (the gradient of one layer, a layer being recomputed).
@@ -44,6 +51,13 @@ dim, g = query groups, f = FFN size):
   5as^2b less its QKV input and dropout mask, counted above.
 - MLP, divided by t: GeLU keeps FC1's output (ef) and FC2's input (ef), 8h + 8h for f = 4h as in the paper;
   fused SwiGLU keeps its input, FC1's output of 2f (2ef), and FC2's input (ef): 3ef.
+- MoE layer, in place of the MLP, with k experts per token, expert FFN f_e, E experts: the router's fp32
+  logits and scores, 8E, in the sequence-parallel region; the token dispatcher's permuted tokens, each token
+  copied to its k experts: the all-gather (or all-to-all) brings the routed tokens of the expert-TP x EP
+  group to the devices holding their experts, which with balanced routing is k x the micro-batch's tokens
+  x ETP/t per device, keh x ETP / t; each expert keeps what an MLP of f_e keeps per routed token over ETP,
+  so k x 3ef_e / t with SwiGLU; a shared expert of f_s keeps what an MLP of f_s does, 3ef_s / t. Layers of
+  a stage differ (``moe_layer_freq``): a pass holds the stage's mean layer that many times.
 
 Summed for GeLU, MHA, unfused attention with dropout and f = 4h: 10h + 8h + 5as + 16h = 34h + 5as, the
 paper's formula. For Qwen2.5 with flash attention and no dropout: (4eh)/t + (eh(2 + 2g/a) + 4a + 3ef)/t.
@@ -73,6 +87,7 @@ import sys
 import warnings
 
 from adapter.own_packages import import_own
+from adapter.training.arguments import add_moe_model_arguments
 
 _model_config = import_own("models.config")
 ModelConfig, ModelConfigError = _model_config.ModelConfig, _model_config.ModelConfigError
@@ -93,6 +108,7 @@ class StagePlan:
     stage: int
     layers: int
     parameters: int  # on this device
+    expert_parameters: int  # of them, a MoE model's routed experts (this device's EP x expert-TP share)
     passes_in_flight: int  # forward passes (micro-batch x model chunk) whose activations are held at the peak
     layers_per_pass: int
     weights: int
@@ -118,6 +134,8 @@ class MemoryPlan:
     vpp: int | None
     dp: int
     cp: int
+    ep: int
+    etp: int
     micro_batch_size: int
     global_batch_size: int
     seq_length: int
@@ -143,9 +161,15 @@ class MemoryPlan:
                   + f" = {self.world_size} devices")
         if self.vpp:
             layout += f", {self.vpp} virtual stages of {self.model.num_layers // (self.pp * self.vpp)} layers"
+        moe = self.model.num_experts is not None
+        expert_dp = self.tp * self.dp * self.cp // (self.etp * self.ep)
+        if moe:
+            layout += (f"; experts: EP {self.ep} x expert TP {self.etp} x expert DP {expert_dp}, "
+                       f"{self.model.num_experts // self.ep} of {self.model.num_experts} per device")
         shards = self.dp * self.cp
         settings = [f"{self.params_dtype} weights", f"{self.grads_dtype} grads",
                     f"distributed optimizer over {shards} rank{'s' if shards > 1 else ''}"
+                    + (f" (experts over {expert_dp})" if moe else "")
                     if self.distributed_optimizer else "optimizer not sharded",
                     "sequence parallel" if self.sequence_parallel else "no sequence parallel",
                     "flash attention" if self.flash_attention else "unfused attention",
@@ -156,8 +180,11 @@ class MemoryPlan:
                  ", ".join(settings), ""]
         rows = [("", [f"stage {s.stage}" for s in self.stages]),
                 ("layers", [str(s.layers) for s in self.stages]),
-                ("parameters (M)", [f"{s.parameters / 1e6:.1f}" for s in self.stages]),
-                ("in flight (passes x layers)", [f"{s.passes_in_flight} x {s.layers_per_pass}" for s in self.stages])]
+                ("parameters (M)", [f"{s.parameters / 1e6:.1f}" for s in self.stages])]
+        if moe:
+            rows.append(("of which experts (M)", [f"{s.expert_parameters / 1e6:.1f}" for s in self.stages]))
+        rows.append(("in flight (passes x layers)",
+                     [f"{s.passes_in_flight} x {s.layers_per_pass}" for s in self.stages]))
         rows += [(f"{name} (GiB)", [f"{s.gib()[name]:.2f}" for s in self.stages])
                  for name in ("weights", "grads", "optimizer", "activations", "logits", "total")]
         width = max(len(label) for label, _ in rows) + 2
@@ -169,22 +196,41 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _layer_parameters(model: ModelConfig) -> tuple[int, int]:
-    """(split over TP, whole on every TP rank) parameters of one transformer layer."""
-    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
+def _layer_parameters(model: ModelConfig, moe: bool) -> tuple[int, int, int]:
+    """(split over TP, whole on every TP rank, experts) parameters of one transformer layer, a MoE layer's
+    routed experts (split over EP x expert TP) apart from the rest."""
+    h, d = model.hidden_size, model.head_dim
     qkv = (model.num_attention_heads + 2 * model.num_query_groups) * d
-    fc1 = 2 * f if model.activation == "swiglu" else f
     norm = 2 * h if model.normalization == "LayerNorm" else h
-    split = (qkv * h + h * h + fc1 * h + f * h + (qkv if model.add_qkv_bias else 0)
-             + (fc1 if model.add_bias_linear else 0))
-    whole = 2 * norm + (2 * h if model.add_bias_linear else 0)  # row-parallel biases (projection, FC2) are whole
-    return split, whole
+    qk_norms = 2 * (2 * d if model.normalization == "LayerNorm" else d) if model.qk_layernorm else 0
+    row_bias = h if model.add_bias_linear else 0  # a row-parallel layer's bias (projection, FC2) is whole
+    split = qkv * h + h * h + (qkv if model.add_qkv_bias else 0)
+    whole = 2 * norm + qk_norms + row_bias
+    if not moe:
+        return split + model.mlp_parameters(model.ffn_hidden_size) - row_bias, whole + row_bias, 0
+    shared = model.moe_shared_expert_intermediate_size  # megatron's shared experts have no biases
+    split += model.mlp_parameters(shared) if shared else 0
+    whole += model.num_experts * (h + (1 if model.add_bias_linear else 0)) + (h if model.moe_shared_expert_gate else 0)
+    return split, whole, model.num_experts * model.mlp_parameters(model.expert_ffn_hidden_size)
 
 
-def _stage_parameters(model: ModelConfig, stage: int, pp: int, tp: int) -> int:
-    h, layers = model.hidden_size, model.num_layers // pp
-    split, whole = _layer_parameters(model)
-    split, whole = split * layers, whole * layers
+def stage_layers(model: ModelConfig, stage: int, pp: int, vpp: int | None = None) -> list[int]:
+    """The layers pipeline rank ``stage`` holds: one block of L/p layers, or with v virtual stages the
+    model chunks stage, stage + p, stage + 2p, ... of L/(pv) layers each."""
+    chunks = vpp or 1
+    per_chunk = model.num_layers // (pp * chunks)
+    return [layer for chunk in range(chunks) for layer in range((chunk * pp + stage) * per_chunk,
+                                                                  (chunk * pp + stage + 1) * per_chunk)]
+
+
+def _stage_parameters(model: ModelConfig, stage: int, pp: int, vpp: int | None, tp: int,
+                      experts_split: int) -> tuple[int, int]:
+    """(all, routed experts') parameters on one device of pipeline rank ``stage``."""
+    h, pattern = model.hidden_size, model.moe_layer_pattern()
+    split = whole = experts = 0
+    for layer in stage_layers(model, stage, pp, vpp):
+        layer_split, layer_whole, layer_experts = _layer_parameters(model, pattern[layer])
+        split, whole, experts = split + layer_split, whole + layer_whole, experts + layer_experts
     if stage == 0:
         split += model.vocab_size * h
         whole += model.max_position_embeddings * h if model.position_embedding == "learned_absolute" else 0
@@ -193,14 +239,21 @@ def _stage_parameters(model: ModelConfig, stage: int, pp: int, tp: int) -> int:
         # a tied output layer reuses the embedding on a single stage, and holds a copy of it on the last one
         if not model.tie_embeddings or pp > 1:
             split += model.vocab_size * h
-    return split // tp + whole
+    experts //= experts_split
+    return split // tp + whole + experts, experts
 
 
-def _activation_bytes_per_token(model: ModelConfig, *, act_bytes: int, seq_per_rank: int, tp: int,
-                                sequence_parallel: bool, flash_attention: bool, selective: bool,
+def _mlp_activations(model: ModelConfig, e: int, ffn: int | None) -> int:
+    """What an MLP of FFN size ``ffn`` keeps per token it processes: fused SwiGLU its input (FC1's output, 2f)
+    and FC2's input (f), GeLU FC1's output and FC2's input."""
+    return (3 if model.activation == "swiglu" else 2) * e * ffn if ffn else 0
+
+
+def _activation_bytes_per_token(model: ModelConfig, *, moe: bool, act_bytes: int, seq_per_rank: int, tp: int,
+                                etp: int, sequence_parallel: bool, flash_attention: bool, selective: bool,
                                 hidden_dropout: bool, attention_dropout: bool) -> float:
     """One layer's saved activations per token of a micro-batch, when the layer is not fully recomputed."""
-    e, h, f, d = act_bytes, model.hidden_size, model.ffn_hidden_size, model.head_dim
+    e, h, d = act_bytes, model.hidden_size, model.head_dim
     a, g = model.num_attention_heads, model.num_query_groups
     sequence_region = 4 * e * h + (2 * h if hidden_dropout else 0)
     if selective or flash_attention:
@@ -208,7 +261,12 @@ def _activation_bytes_per_token(model: ModelConfig, *, act_bytes: int, seq_per_r
     else:
         scores = e * a * seq_per_rank + ((1 + e) * a * seq_per_rank if attention_dropout else 0)
         attention = 3 * e * a * d + e * h + scores
-    mlp = 3 * e * f if model.activation == "swiglu" else 2 * e * f
+    if moe:
+        sequence_region += 8 * model.num_experts  # the router's fp32 logits and scores
+        routed = model.moe_router_topk * (e * h * etp + _mlp_activations(model, e, model.expert_ffn_hidden_size))
+        mlp = routed + _mlp_activations(model, e, model.moe_shared_expert_intermediate_size)
+    else:
+        mlp = _mlp_activations(model, e, model.ffn_hidden_size)
     return sequence_region / (tp if sequence_parallel else 1) + (attention + mlp) / tp
 
 
@@ -226,26 +284,23 @@ def _check(condition: bool, message: str) -> None:
         raise PlanError(message)
 
 
-def plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None = None, dp: int, cp: int = 1,
-         micro_batch_size: int, global_batch_size: int, seq_length: int, params_dtype: str = "bf16",
-         distributed_optimizer: bool = True, sequence_parallel: bool = True, recompute: str | None = None,
-         recompute_method: str = "uniform", recompute_num_layers: int = 1, grad_reduce_in_fp32: bool = True,
-         flash_attention: bool = True, hidden_dropout: float = 0.0, attention_dropout: float = 0.0) -> MemoryPlan:
-    """The memory of one device per pipeline rank (see the module docstring for every term).
-
-    Raises ``ModelConfigError`` for a TP/PP/VPP the model cannot be split into and ``PlanError`` for sizes or
-    batches megatron would refuse."""
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp), ("micro_batch_size", micro_batch_size),
-                        ("global_batch_size", global_batch_size), ("seq_length", seq_length),
-                        ("recompute_num_layers", recompute_num_layers)):
+def _check_plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, dp: int, cp: int, ep: int, etp: int,
+                micro_batch_size: int, global_batch_size: int, seq_length: int, params_dtype: str,
+                sequence_parallel: bool, recompute: str | None, recompute_method: str,
+                recompute_num_layers: int) -> int:
+    """Refuse what megatron would; returns the number of micro-batches per step."""
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp), ("ep", ep), ("etp", etp),
+                        ("micro_batch_size", micro_batch_size), ("global_batch_size", global_batch_size),
+                        ("seq_length", seq_length), ("recompute_num_layers", recompute_num_layers)):
         _check(isinstance(value, int) and value >= 1, f"{name}={value!r}: must be a positive integer")
     _check(params_dtype in DTYPE_BYTES, f"params_dtype={params_dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     _check(recompute in RECOMPUTE, f"recompute={recompute!r}: use selective, full or None")
     _check(recompute_method in ("uniform", "block"), f"recompute_method={recompute_method!r}: use uniform or block")
-    vpp = None if vpp == 1 else vpp
     _check(vpp is None or pp > 1, f"{vpp} virtual pipeline stages need a pipeline: PP must be above 1")
-    model.check_layout(tp, pp, vpp)
-    sequence_parallel = sequence_parallel and tp > 1
+    model.check_layout(tp, pp, vpp, ep, etp)
+    _check((tp * dp * cp) % (etp * ep) == 0,
+           f"the {tp * dp * cp} devices of a pipeline stage (TP {tp} x DP {dp} x CP {cp}) are not divisible by "
+           f"expert TP {etp} x EP {ep} = {etp * ep}: change the expert parallel sizes or DP")
     _check(seq_length % cp == 0, f"seq length {seq_length} is not divisible by CP {cp}: change one of them")
     _check(not sequence_parallel or (seq_length // cp) % tp == 0,
            f"sequence parallelism splits the {seq_length // cp} tokens of a rank over TP {tp}, which does not "
@@ -258,46 +313,73 @@ def plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None = None, dp: in
     _check(vpp is None or num_microbatches % pp == 0,
            f"the interleaved schedule runs micro-batches in groups of PP {pp}, which does not divide the "
            f"{num_microbatches} micro-batches: change the global batch size")
+    return num_microbatches
 
+
+def _pass_bytes(layer_bytes: float, input_bytes: float, layers_per_pass: int, recompute: str | None,
+                recompute_method: str, recompute_num_layers: int) -> float:
+    """What one forward pass of ``layers_per_pass`` layers leaves saved, ``layer_bytes`` each when whole."""
+    if recompute != "full":
+        return layers_per_pass * layer_bytes
+    if recompute_method == "uniform":
+        return math.ceil(layers_per_pass / recompute_num_layers) * input_bytes
+    checkpointed = min(recompute_num_layers, layers_per_pass)
+    return checkpointed * input_bytes + (layers_per_pass - checkpointed) * layer_bytes
+
+
+def plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None = None, dp: int, cp: int = 1, ep: int = 1,
+         etp: int | None = None, micro_batch_size: int, global_batch_size: int, seq_length: int,
+         params_dtype: str = "bf16", distributed_optimizer: bool = True, sequence_parallel: bool = True,
+         recompute: str | None = None, recompute_method: str = "uniform", recompute_num_layers: int = 1,
+         grad_reduce_in_fp32: bool = True, flash_attention: bool = True, hidden_dropout: float = 0.0,
+         attention_dropout: float = 0.0) -> MemoryPlan:
+    """The memory of one device per pipeline rank (see the module docstring for every term). ``ep`` and
+    ``etp`` (default: ``tp``) are a MoE model's expert parallel sizes.
+
+    Raises ``ModelConfigError`` for a TP/PP/VPP/EP the model cannot be split into and ``PlanError`` for sizes or
+    batches megatron would refuse."""
+    etp, vpp = tp if etp is None else etp, None if vpp == 1 else vpp
+    sequence_parallel = sequence_parallel and tp > 1
+    num_microbatches = _check_plan(
+        model, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, etp=etp, micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size, seq_length=seq_length, params_dtype=params_dtype,
+        sequence_parallel=sequence_parallel, recompute=recompute, recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers)
     weight_bytes = DTYPE_BYTES[params_dtype]
     grads_dtype = "fp32" if grad_reduce_in_fp32 or params_dtype == "fp32" else params_dtype
     optimizer_bytes = 8 if params_dtype == "fp32" else 12
-    shards = dp * cp if distributed_optimizer else 1
-
-    seq_per_rank = seq_length // cp
-    tokens = seq_per_rank * micro_batch_size
+    # the distributed optimizer shards the dense part over DP x CP, the experts over expert DP
+    shards, expert_shards = (dp * cp, tp * dp * cp // (etp * ep)) if distributed_optimizer else (1, 1)
+    tokens = seq_length // cp * micro_batch_size
     sequence_split = tp if sequence_parallel else 1
-    per_token = _activation_bytes_per_token(
-        model, act_bytes=weight_bytes, seq_per_rank=seq_per_rank, tp=tp, sequence_parallel=sequence_parallel,
-        flash_attention=flash_attention, selective=recompute == "selective", hidden_dropout=hidden_dropout > 0,
-        attention_dropout=attention_dropout > 0)
-    layer_bytes = tokens * per_token
-    input_bytes = tokens * weight_bytes * model.hidden_size / sequence_split
+    layer_bytes = {moe: tokens * _activation_bytes_per_token(
+        model, moe=moe, act_bytes=weight_bytes, seq_per_rank=seq_length // cp, tp=tp, etp=etp,
+        sequence_parallel=sequence_parallel, flash_attention=flash_attention, selective=recompute == "selective",
+        hidden_dropout=hidden_dropout > 0, attention_dropout=attention_dropout > 0)
+        for moe in set(model.moe_layer_pattern())}
     layers_per_pass = model.num_layers // (pp * (vpp or 1))
-    if recompute != "full":
-        pass_bytes = layers_per_pass * layer_bytes
-    elif recompute_method == "uniform":
-        pass_bytes = math.ceil(layers_per_pass / recompute_num_layers) * input_bytes
-    else:
-        checkpointed = min(recompute_num_layers, layers_per_pass)
-        pass_bytes = checkpointed * input_bytes + (layers_per_pass - checkpointed) * layer_bytes
     logits = tokens * (2 * weight_bytes * model.hidden_size / sequence_split
                        + (weight_bytes + 4) * model.vocab_size / tp)
-
     stages = []
     for stage in range(pp):
-        parameters = _stage_parameters(model, stage, pp, tp)
+        parameters, experts = _stage_parameters(model, stage, pp, vpp, tp, ep * etp)
+        pattern = [model.moe_layer_pattern()[layer] for layer in stage_layers(model, stage, pp, vpp)]
+        mean_layer = sum(layer_bytes[moe] for moe in pattern) / len(pattern)
         in_flight = passes_in_flight(pp, vpp, stage, num_microbatches)
+        pass_bytes = _pass_bytes(mean_layer, tokens * weight_bytes * model.hidden_size / sequence_split,
+                                 layers_per_pass, recompute, recompute_method, recompute_num_layers)
         stages.append(StagePlan(
-            stage=stage, layers=model.num_layers // pp, parameters=parameters, passes_in_flight=in_flight,
-            layers_per_pass=layers_per_pass, weights=parameters * weight_bytes,
-            grads=parameters * DTYPE_BYTES[grads_dtype], optimizer=parameters * optimizer_bytes // shards,
+            stage=stage, layers=model.num_layers // pp, parameters=parameters, expert_parameters=experts,
+            passes_in_flight=in_flight, layers_per_pass=layers_per_pass, weights=parameters * weight_bytes,
+            grads=parameters * DTYPE_BYTES[grads_dtype],
+            optimizer=(parameters - experts) * optimizer_bytes // shards + experts * optimizer_bytes // expert_shards,
             activations=round(in_flight * pass_bytes), logits=round(logits) if stage == pp - 1 else 0))
-    return MemoryPlan(model=model, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, micro_batch_size=micro_batch_size,
-                      global_batch_size=global_batch_size, seq_length=seq_length,
-                      num_microbatches=num_microbatches, params_dtype=params_dtype, grads_dtype=grads_dtype,
-                      distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
-                      flash_attention=flash_attention, recompute=recompute, stages=tuple(stages))
+    return MemoryPlan(model=model, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, etp=etp,
+                      micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
+                      seq_length=seq_length, num_microbatches=num_microbatches, params_dtype=params_dtype,
+                      grads_dtype=grads_dtype, distributed_optimizer=distributed_optimizer,
+                      sequence_parallel=sequence_parallel, flash_attention=flash_attention, recompute=recompute,
+                      stages=tuple(stages))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -313,13 +395,15 @@ def _parser() -> argparse.ArgumentParser:
                        ("seq-length", int), ("vocab-size", int), ("rotary-base", float), ("norm-epsilon", float),
                        ("position-embedding-type", str), ("normalization", str)):
         parser.add_argument(f"--{name}", type=kind)
-    for switch in ("group-query-attention", "swiglu", "disable-bias-linear", "add-qkv-bias",
+    for switch in ("group-query-attention", "swiglu", "disable-bias-linear", "add-qkv-bias", "qk-layernorm",
                    "untie-embeddings-and-output-weights", "use-rotary-position-embeddings", "sequence-parallel",
                    "use-distributed-optimizer", "use-flash-attn", "bf16", "fp16"):
         parser.add_argument(f"--{switch}", action="store_true")
+    add_moe_model_arguments(parser)
     for name, default in (("tensor-model-parallel-size", 1), ("pipeline-model-parallel-size", 1),
-                          ("context-parallel-size", 1), ("micro-batch-size", 1)):
+                          ("context-parallel-size", 1), ("micro-batch-size", 1), ("expert-model-parallel-size", 1)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--expert-tensor-parallel-size", type=int)
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     parser.add_argument("--global-batch-size", type=int)
     parser.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -353,8 +437,10 @@ def plan_from_args(argv: list[str]) -> tuple[MemoryPlan, str]:
         config_from_args = import_own("models.provider").config_from_args
     model = config_from_args(args)
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
     world = _world_size(args)
-    _check(min(tp, pp, cp, world) >= 1, f"world size {world}, TP {tp}, PP {pp}, CP {cp}: all must be at least 1")
+    _check(min(tp, pp, cp, ep, etp, world) >= 1,
+           f"world size {world}, TP {tp}, PP {pp}, CP {cp}, EP {ep}, expert TP {etp}: all must be at least 1")
     vpp = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage, per_chunk = model.num_layers // pp, args.num_layers_per_virtual_pipeline_stage
@@ -362,13 +448,17 @@ def plan_from_args(argv: list[str]) -> tuple[MemoryPlan, str]:
                f"{model.num_layers} layers over PP {pp} cannot be cut into virtual stages of {per_chunk} layers: "
                "choose a --num-layers-per-virtual-pipeline-stage dividing num_layers / PP")
         vpp = per_stage // per_chunk
-    model.check_layout(tp, pp, vpp)  # before the world size: a TP the model cannot take is the first thing to fix
+    # before the world size: a TP or EP the model cannot take is the first thing to fix
+    model.check_layout(tp, pp, vpp, ep, etp)
     _check(world % (tp * pp * cp) == 0,
            f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp}: launch a "
            "multiple of that many devices or change the parallel sizes")
+    _check(world % (etp * ep * pp) == 0,
+           f"world size {world} is not divisible by expert TP {etp} x EP {ep} x PP {pp} = {etp * ep * pp}: launch a "
+           "multiple of that many devices or change the expert parallel sizes")
     dp = world // (tp * pp * cp)
     params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    result = plan(model, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, micro_batch_size=args.micro_batch_size,
+    result = plan(model, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, etp=etp, micro_batch_size=args.micro_batch_size,
                   global_batch_size=args.global_batch_size or args.micro_batch_size * dp,
                   seq_length=model.seq_length, params_dtype=params_dtype,
                   distributed_optimizer=args.use_distributed_optimizer, sequence_parallel=args.sequence_parallel,

@@ -26,6 +26,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
 import adapter
 from adapter.training import checkpointing, global_vars
@@ -59,6 +60,8 @@ def initialize(extra_args_provider=None, args_defaults: dict | None = None, argv
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size, context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     init_num_microbatches_calculator(torch.distributed.get_rank(), None, args.global_batch_size,
                                      args.micro_batch_size, args.data_parallel_size)
@@ -88,7 +91,22 @@ def transformer_config_overrides(args) -> dict:
         masked_softmax_fusion=args.masked_softmax_fusion, bias_activation_fusion=args.bias_swiglu_fusion,
         apply_rope_fusion=args.apply_rope_fusion, cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         attention_softmax_in_fp32=True, use_cpu_initialization=not adapter.device.has_accelerator(),
-        deallocate_pipeline_outputs=True, **recompute)
+        deallocate_pipeline_outputs=True, **recompute, **_moe_overrides(args))
+
+
+# Megatron-LM's MoE training arguments that are TransformerConfig fields of the same name and meaning.
+MOE_TRAINING_FIELDS = (
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_grouped_gemm", "moe_token_dispatcher_type",
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_shared_expert_overlap",
+    "moe_permute_fusion", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
+    "moe_pad_expert_input_to_capacity", "moe_token_drop_policy", "moe_router_dtype", "moe_per_layer_logging")
+
+
+def _moe_overrides(args) -> dict:
+    """How a MoE model trains (the experts themselves are the ModelConfig's); nothing for a dense model."""
+    if args.model_config.num_experts is None:
+        return {}
+    return {name: getattr(args, name) for name in MOE_TRAINING_FIELDS}
 
 
 def setup_model_and_optimizer(model_provider, model_type=ModelType.encoder_or_decoder):
@@ -199,6 +217,8 @@ def evaluate(forward_step_func, data_iterator, model: list, eval_iters: int) -> 
                 totals[name] = totals.get(name, 0.0) + value / eval_iters
     for chunk in model:
         chunk.train()
+    if args.model_config.num_experts is not None:
+        clear_aux_losses_tracker()  # as Megatron-LM: the next iteration's router losses are training's alone
     return totals
 
 
@@ -246,7 +266,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         iteration, consumed = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
     (train_iter, valid_iter, test_iter), (_, do_valid, do_test) = build_train_valid_test_data_iterators(
         train_valid_test_dataset_provider, consumed)
-    log = TrainingLog(args)
+    log = TrainingLog(args, model)
     history = {"train": [], "validation": [], "iteration": iteration}
     for chunk in model:
         chunk.train()

@@ -3,7 +3,12 @@
 Printed by the last rank (it holds the loss, as in Megatron-LM). Model FLOPs follow the PaLM appendix B
 convention: per token, 6 x the matmul parameters (forward 2, backward 4) plus 6 x 2 x layers x seq x
 hidden for the attention score and value products; recomputation is not counted (it is hardware
-work, not model work), so TFLOP/s here is model-FLOPs utilisation's numerator.
+work, not model work), so TFLOP/s here is model-FLOPs utilisation's numerator. A MoE layer's matmul
+parameters are those a token passes through: its top-k routed experts and the shared expert (the router's
+small GEMM left out, as Megatron-LM's count leaves it).
+
+A MoE model's line and TensorBoard also carry its router losses and each MoE layer's expert load
+(``ExpertMetrics``).
 """
 
 from __future__ import annotations
@@ -11,17 +16,102 @@ from __future__ import annotations
 import time
 
 import torch
+from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+from megatron.core.transformer.moe.router import TopKRouter
 
 from adapter import device
 
 
 def model_flops_per_token(model, seq_length: int) -> float:
     """Training FLOPs per token of ``model`` (a ModelConfig) at ``seq_length``."""
-    h, f, layers = model.hidden_size, model.ffn_hidden_size, model.num_layers
+    h, layers = model.hidden_size, model.num_layers
     qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim * h
-    mlp = (3 if model.activation == "swiglu" else 2) * h * f
-    matmul_params = layers * (qkv + h * h + mlp) + model.vocab_size * h  # the output layer
+
+    def mlp(ffn: int | None) -> int:
+        return (3 if model.activation == "swiglu" else 2) * h * ffn if ffn else 0
+
+    moe = model.moe_router_topk * mlp(model.expert_ffn_hidden_size) + mlp(model.moe_shared_expert_intermediate_size)
+    mlps = sum(moe if is_moe else mlp(model.ffn_hidden_size) for is_moe in model.moe_layer_pattern())
+    matmul_params = layers * (qkv + h * h) + mlps + model.vocab_size * h  # the output layer
     return 6 * matmul_params + 6 * 2 * layers * seq_length * h
+
+
+def aux_loss_names(args) -> list[str]:
+    """The router losses megatron's tracker holds for these arguments, under Megatron-LM's names."""
+    types = args.moe_router_load_balancing_type
+    types = types if isinstance(types, list) else [types]
+    names = [{"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+              "global_aux_loss": "global_load_balancing_loss"}[t] for t in types if t != "none"]
+    return names + (["z_loss"] if args.moe_z_loss_coeff is not None else [])
+
+
+class ExpertMetrics:
+    """A MoE model's router losses and expert load, for the iteration line and TensorBoard.
+
+    Router losses as Megatron-LM's ``training_log`` has them: megatron's routers record each layer's
+    load-balancing and z losses in moe_utils' tracker during training forwards; every iteration, on every
+    rank (it reduces over the pipeline and data-parallel groups), ``track_moe_metrics`` writes the mean over
+    the MoE layers to TensorBoard (each layer too with --moe-per-layer-logging) and adds it to the totals the
+    line averages over its iterations.
+
+    Expert load, which megatron-core 0.16.1 does not log: the tokens each expert is routed in each MoE layer,
+    counted by a hook on each router in training forwards only (under autograd, as megatron counts for its
+    expert bias, so neither evaluation nor a recomputed forward counts) and summed over all ranks at each log
+    line. Every token is routed on exactly one rank of its pipeline stage, since megatron requires sequence
+    parallelism for MoE at TP > 1. Shown as max/mean tokens per expert: 1 is perfectly balanced, the number of
+    experts means one expert took every token."""
+
+    def __init__(self, args, model: list):
+        config = args.model_config
+        self.args = args
+        self.names = aux_loss_names(args)
+        self.moe_layers = [i for i, moe in enumerate(config.moe_layer_pattern()) if moe]
+        self.counts = torch.zeros(config.num_layers, config.num_experts, dtype=torch.long,
+                                  device=device.current_device())
+        self.totals: dict[str, torch.Tensor] = {}
+        self.iterations = 0
+        for chunk in model:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    module.register_forward_hook(self._count)
+
+    def _count(self, router, inputs, output) -> None:
+        if router.training and torch.is_grad_enabled():
+            routing_map = output[1]
+            self.counts[router.layer_number - 1] += routing_map.sum(dim=0)
+
+    def track(self, iteration: int, writer) -> None:
+        """After each training iteration, on every rank."""
+        freq = self.args.model_config.moe_layer_freq
+        self.iterations += 1
+        track_moe_metrics(
+            loss_scale=1 / self.args.num_micro_batches, iteration=iteration, writer=writer,
+            total_loss_dict=self.totals, per_layer_logging=self.args.moe_per_layer_logging, force_initialize=True,
+            track_names=self.names, num_layers=self.args.model_config.num_layers,
+            moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq)
+
+    def log(self, iteration: int, writer) -> tuple[list[str], dict]:
+        """At a log line, on every rank (the load is summed over all): the line's fields and the logged
+        values (router losses averaged over the iterations since the last line, each MoE layer's load)."""
+        torch.distributed.all_reduce(self.counts)
+        counts = self.counts[self.moe_layers].double()
+        shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
+        load = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).tolist()
+        self.counts.zero_()
+        logged = {name: (total / self.iterations).item() for name, total in self.totals.items()}
+        self.totals, self.iterations = {}, 0
+        if writer is not None:
+            writer.add_scalar("expert-load-max-over-mean", sum(load) / len(load), iteration)
+            for layer, value, layer_shares in zip(self.moe_layers, load, shares.tolist()):
+                writer.add_scalar(f"moe/expert_load_max_over_mean_layer_{layer}", value, iteration)
+                if self.args.moe_per_layer_logging:
+                    for expert, share in enumerate(layer_shares):
+                        writer.add_scalar(f"moe/tokens_per_expert_layer_{layer}/expert_{expert}", share, iteration)
+        worst = max(range(len(load)), key=load.__getitem__)
+        fields = [f"{name}: {value:.6E}" for name, value in logged.items()]
+        fields.append(f"expert load max/mean: {sum(load) / len(load):.3f} (worst: layer {self.moe_layers[worst]} "
+                      f"{load[worst]:.3f})")
+        return fields, {**logged, "expert load": dict(zip(self.moe_layers, load))}
 
 
 def memory_summary() -> str:
@@ -37,7 +127,7 @@ def memory_summary() -> str:
 class TrainingLog:
     """Accumulates losses between log lines and writes the line and the TensorBoard scalars."""
 
-    def __init__(self, args):
+    def __init__(self, args, model: list | None = None):
         self.args = args
         self.writer = None
         self.is_last_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
@@ -54,6 +144,8 @@ class TrainingLog:
         self._nan = 0
         self.flops_per_iteration = (model_flops_per_token(args.model_config, args.seq_length)
                                     * args.global_batch_size * args.seq_length)
+        self.experts = (ExpertMetrics(args, model) if model is not None and args.model_config.num_experts is not None
+                        else None)
 
     def excluded(self):
         """A context whose time (evaluation, checkpointing) the next log line's per-iteration time leaves
@@ -86,8 +178,12 @@ class TrainingLog:
             self.writer.add_scalar("loss-scale", loss_scale, iteration)
             if grad_norm is not None:
                 self.writer.add_scalar("grad-norm", grad_norm, iteration)
+        if self.experts is not None:
+            self.experts.track(iteration, self.writer)
         if iteration % args.log_interval:
             return None
+        expert_fields, expert_values = (self.experts.log(iteration, self.writer)
+                                        if self.experts is not None else ([], {}))
         elapsed = (time.perf_counter() - self._since) / args.log_interval
         self._since = time.perf_counter()
         tokens_per_s = args.global_batch_size * args.seq_length / elapsed
@@ -102,14 +198,15 @@ class TrainingLog:
                       f"throughput per device (TFLOP/s): {tflops:.4g}", f"tokens per second: {tokens_per_s:.1f}",
                       f"learning rate: {lr:.6E}", f"global batch size: {args.global_batch_size:5d}"]
             fields += [f"{name}: {value:.6E}" for name, value in means.items()]
-            fields += [f"loss scale: {loss_scale:.1f}"]
+            fields += expert_fields + [f"loss scale: {loss_scale:.1f}"]
             if grad_norm is not None:
                 fields.append(f"grad norm: {grad_norm:.3f}")
             fields += [f"number of skipped iterations: {self._skipped:3d}",
                        f"number of nan iterations: {self._nan:3d}", memory_summary()]
             print(" " + " | ".join(fields) + " |", flush=True)
         self._losses, self._skipped, self._nan = {}, 0, 0
-        return {"iteration": iteration, **means, "tflops": tflops, "tokens_per_second": tokens_per_s}
+        return {"iteration": iteration, **means, **expert_values, "tflops": tflops,
+                "tokens_per_second": tokens_per_s}
 
     def validation(self, iteration: int, losses: dict, label: str = "validation") -> None:
         if self.writer is not None:
