@@ -211,7 +211,13 @@ class Architecture:
     layer: tuple
 
     def mappings(self, model: ModelConfig) -> tuple[list[Mapping], list[Mapping]]:
-        """The (whole-model, per-layer) mappings that apply to ``model``."""
+        """The (whole-model, per-layer) mappings that apply to ``model``: dense decoders only, so a MoE or
+        QK-norm checkpoint is refused rather than written out without its experts or norms."""
+        if model.num_experts or model.qk_layernorm:
+            raise UnsupportedCheckpoint(
+                f"{self.name} conversion maps dense models without QK-norm; this one has "
+                f"num_experts={model.num_experts}, qk_layernorm={model.qk_layernorm} (Qwen3 and Qwen3-MoE "
+                "conversion is not there yet): keep it as a megatron checkpoint")
         pick = lambda entries: [m for m, applies in entries if applies(model)]  # noqa: E731
         return pick(self.embeddings), pick(self.layer)
 

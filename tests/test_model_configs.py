@@ -210,3 +210,14 @@ def test_moe_config_from_megatron_style_args():
         "gpt-tiny", num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=1, moe_layer_freq=(1, 0, 1, 0),
         moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True, moe_router_score_function="sigmoid",
         moe_router_topk_scaling_factor=2.0, moe_router_enable_expert_bias=True, qk_layernorm=True)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny-moe", "gpt-tiny-moe-shared"])
+def test_hugging_face_conversion_refuses_moe_models_by_name(name):
+    """No HF mapping covers experts yet: a conversion names what it cannot map instead of writing a dense
+    model without them."""
+    from models import hf
+
+    for architecture in hf.ARCHITECTURES.values():
+        with pytest.raises(hf.UnsupportedCheckpoint, match="num_experts=8"):
+            architecture.mappings(models.get(name))
