@@ -141,7 +141,8 @@ _OP = dis.opmap
 _CACHE = _OP.get("CACHE", 0)
 _FAST_DECODE = sys.version_info[:2] in ((3, 11), (3, 12))
 _ATTR_SHIFT = 0 if sys.version_info[:2] == (3, 11) else 1  # 3.12: LOAD_ATTR's arg is namei << 1 | method
-_ATTRIBUTE_OPS = tuple(_OP[n] for n in ("LOAD_ATTR", "LOAD_METHOD") if n in _OP)
+# 3.12 keeps LOAD_METHOD in opmap as a pseudo-instruction (opcode >= 256) that the compiler never emits
+_ATTRIBUTE_OPS = tuple(_OP[n] for n in ("LOAD_ATTR", "LOAD_METHOD") if _OP.get(n, 256) < 256)
 
 
 def _arg(raw: bytes, offset: int) -> int:

@@ -1,5 +1,5 @@
-"""MoE on the CPU: the experts' grouped GEMM against megatron's per-expert loop, and the pretrain flow's
-training throughput on a small MoE model against Hugging Face transformers.
+"""MoE: the experts' grouped GEMM against megatron's per-expert loop, and the pretrain flow's training
+throughput on a small MoE model against Hugging Face transformers, on the CPU or a CUDA GPU.
 
 ``experts``: one MoE layer's experts, forward + backward on the tokens a top-k router hands them (float32,
 ``--tokens`` x top-k rows over ``--experts`` experts, uneven as a router makes them). Side by side, same
@@ -8,14 +8,15 @@ weights, in one process, interleaved rounds:
   (what ``moe_grouped_gemm=False`` runs; the per-expert loop to beat);
 - ``grouped/<impl>``: megatron's ``TEGroupedMLP`` over the adapter's grouped linear layers, i.e. what
   ``moe_grouped_gemm=True`` gets, once per torch implementation of the grouped GEMM (``loop``: one GEMM
-  per expert on the weights as they are; ``stacked``: torch's grouped GEMM over the stacked weights).
+  per expert on the weights as they are; ``stacked``: torch's grouped GEMM over the stacked weights; on
+  ``--device cuda`` in bfloat16, ``cuda``: the cuda provider's choice, which is what the flow runs there).
 
 ``flow``: tokens/s of the pretrain flow (megatron-core GPTModel with MoE layers, DDP, Adam; --mock-data)
 against transformers' ``Qwen3MoeForCausalLM`` of the same configuration (experts one by one in a Python
-loop, its own implementation), each in a fresh interpreter taking turns, float32, one process. Goal:
-flow / transformers >= 1.2.
+loop, its own implementation), each in a fresh interpreter taking turns, one process (float32 on the CPU,
+bfloat16 on a GPU). Goal: flow / transformers >= 1.2.
 
-Usage: python bench/moe.py [experts|flow|all] [--rounds 3]
+Usage: python bench/moe.py [experts|flow|all] [--rounds 3] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -51,27 +52,44 @@ def _expert_layers(tokens: int):
                                moe_router_topk=MOE["topk"], moe_grouped_gemm=True, gated_linear_unit=True,
                                activation_func=torch.nn.functional.silu, add_bias_linear=False,
                                bias_activation_fusion=False, use_cpu_initialization=True, cuda_graph_scope=[])
-    grouped, sequential = _both_expert_layers(config)
+    grouped, sequential = (layer.to(_device(), _dtype()) for layer in _both_expert_layers(config))
     generator = torch.Generator().manual_seed(0)
     choice = torch.rand(tokens, MOE["num_experts"], generator=generator).topk(MOE["topk"]).indices
     splits = torch.bincount(choice.flatten(), minlength=MOE["num_experts"])
     rows = torch.randn(int(splits.sum()), MOE["hidden_size"], generator=generator)
-    return grouped, sequential, rows, splits, torch.rand(len(rows), generator=generator)
+    probs = torch.rand(len(rows), generator=generator)
+    return grouped, sequential, rows.to(_device(), _dtype()), splits, probs.to(_device(), _dtype())
+
+
+def _device() -> torch.device:
+    return torch.device(os.environ.get("ADAPTER_BACKEND", "cpu"))
+
+
+def _dtype() -> torch.dtype:
+    """float32 on the CPU; bfloat16 on a GPU, as one trains there (and what its grouped GEMM takes)."""
+    return torch.float32 if _device().type == "cpu" else torch.bfloat16
+
+
+def _sync() -> None:
+    if _device().type == "cuda":
+        torch.cuda.synchronize()
 
 
 def stacked_grouped_mm(x, weights, m_splits):
     """The candidate to the torch provider's per-expert loop: one call of torch's grouped GEMM over the
     stacked weights. Float32 only: on the CPU torch 2.13's kernel drops bf16/fp16 gradients (they come
     back None), and it needs rows of whole 16-byte multiples and contiguous incoming gradients."""
-    ends = torch.tensor(m_splits, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    ends = torch.tensor(m_splits, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
     return torch.nn.functional.grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=ends)
 
 
 def _step_seconds(experts, rows, splits, probs) -> float:
     x = rows.clone().requires_grad_()
+    _sync()
     start = time.perf_counter()
     out, _ = experts(x, splits, probs)
     out.backward(torch.ones_like(out))
+    _sync()
     return time.perf_counter() - start
 
 
@@ -88,16 +106,19 @@ def _check_agreement(runs: dict, rows, splits, probs) -> None:
     for layer, impl in runs.values():
         _use(layer, impl)
         outputs.append(layer(rows, splits, probs)[0].detach())
+    tolerance = 1e-4 if _dtype() == torch.float32 else 5e-2
     for out in outputs[1:]:
-        torch.testing.assert_close(out, outputs[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out, outputs[0], atol=tolerance, rtol=tolerance)
 
 
 def bench_experts(rounds: int, tokens: int, repeats: int) -> dict:
     import adapter  # noqa: F401 - before megatron
-    from adapter.kernels import torch_provider
+    from adapter.kernels import cuda_provider, torch_provider
     from tests.kernel_reference import one_rank_model_parallel
 
     impls = {"loop": torch_provider.looped_grouped_mm, "stacked": stacked_grouped_mm}
+    if _device().type == "cuda":
+        impls["cuda"] = cuda_provider.grouped_mm
     with one_rank_model_parallel():
         grouped, sequential, rows, splits, probs = _expert_layers(tokens)
         runs = {"sequential": (sequential, None), **{f"grouped/{k}": (grouped, f) for k, f in impls.items()}}
@@ -116,7 +137,8 @@ def print_experts(result: dict) -> None:
     seconds = {name: statistics.median(values) for name, values in result["seconds"].items()}
     base = seconds["sequential"]
     print(f"experts: {MOE['num_experts']} x (hidden {MOE['hidden_size']}, ffn {MOE['moe_ffn_hidden_size']}, "
-          f"SwiGLU), {result['rows']} routed rows {result['splits']}, float32, forward + backward")
+          f"SwiGLU), {result['rows']} routed rows {result['splits']}, {_dtype()} on {_device()}, "
+          "forward + backward")
     print(f"{'run':<16} {'ms':>8} {'sequential / run':>17}   rounds (ms)")
     for name, value in seconds.items():
         print(f"{name:<16} {1e3 * value:8.2f} {base / value:17.3f}   "
@@ -138,7 +160,8 @@ def _flow_argv(iters: int, warmup: int) -> list[str]:
             "--moe-aux-loss-coeff", "0.001",
             "--micro-batch-size", str(m["micro_batch"]), "--global-batch-size", str(m["micro_batch"]),
             "--train-iters", str(warmup + iters), "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
-            "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0"]
+            "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+            *(["--bf16"] if _dtype() == torch.bfloat16 else [])]
 
 
 def run_flow(iters: int, warmup: int) -> float:
@@ -168,23 +191,26 @@ def run_transformers(iters: int, warmup: int) -> float:
                             max_position_embeddings=m["seq_length"], rope_theta=1e6, rms_norm_eps=1e-6,
                             tie_word_embeddings=False, router_aux_loss_coef=0.001, output_router_logits=True)
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).train()
+    model = Qwen3MoeForCausalLM(config).to(_device(), _dtype()).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tokens = torch.randint(0, m["vocab_size"], (m["micro_batch"], m["seq_length"] + 1))
+    tokens = torch.randint(0, m["vocab_size"], (m["micro_batch"], m["seq_length"] + 1), device=_device())
     times = []
     for step in range(warmup + iters):
+        _sync()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        _sync()
         if step >= warmup:
             times.append(time.perf_counter() - start)
     return m["micro_batch"] * m["seq_length"] * iters / sum(times)
 
 
 def _child(kind: str, iters: int, warmup: int) -> float:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ADAPTER_BACKEND": "cpu"}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "ADAPTER_BACKEND": _device().type}
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--child", kind, "--iters", str(iters),
                            "--warmup", str(warmup)], cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -205,8 +231,9 @@ def bench_flow(rounds: int, iters: int, warmup: int) -> dict:
 def print_flow(results: dict, iters: int, warmup: int) -> None:
     best = {kind: max(rates) for kind, rates in results.items()}
     median = {kind: statistics.median(rates) for kind, rates in results.items()}
-    print(f"flow vs transformers: {MOE}, float32, {warmup} warm-up + {iters} measured iterations, "
-          f"{len(results['flow'])} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    where = torch.cuda.get_device_name() if _device().type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"flow vs transformers: {MOE}, {_dtype()}, {warmup} warm-up + {iters} measured iterations, "
+          f"{len(results['flow'])} rounds, torch {torch.__version__}, {where}")
     print(f"{'run':<14} {'tokens/s':>9} {'/ transformers':>15} {'(medians)':>10}   all rounds (tokens/s)")
     for kind in results:
         print(f"{kind:<14} {best[kind]:9.1f} {best[kind] / best['transformers']:15.3f} "
@@ -225,8 +252,11 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="steps per round; the best counts")
     parser.add_argument("--iters", type=int, default=6, help="flow: measured iterations per run")
     parser.add_argument("--warmup", type=int, default=3, help="flow: warm-up iterations per run")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="where to run (sets ADAPTER_BACKEND; default cpu)")
     parser.add_argument("--child", choices=["flow", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.device:
+        os.environ["ADAPTER_BACKEND"] = args.device
     os.environ.setdefault("ADAPTER_BACKEND", "cpu")
     if args.child:
         run = run_flow if args.child == "flow" else run_transformers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -15,8 +16,9 @@ from adapter import backend, device
 from adapter.backend import Backend, BackendUnavailable, select_backend
 from tests.distributed import ROOT
 
-on_cpu = pytest.mark.skipif(adapter.current_backend().name != "cpu",
-                            reason="these checks describe a CPU-only machine")
+on_cpu = pytest.mark.skipif(adapter.current_backend().name != "cpu" or torch.cuda.is_available()
+                            or importlib.util.find_spec("torch_npu") is not None,
+                            reason="these checks describe a machine without an accelerator")
 
 
 # ---------------------------------------------------------------- select_backend

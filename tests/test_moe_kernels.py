@@ -151,6 +151,30 @@ def test_grouped_experts_checkpoint_under_sequential_experts_keys():
         assert mine == layout(sequential)
 
 
+def test_grouped_experts_initialise_on_the_device_from_the_expert_rng():
+    """With ``use_cpu_initialization=False`` (the flow's setting on an accelerator) each local expert is
+    drawn in place on the device from the expert-parallel RNG, as megatron's device initialisation of
+    expert weights: init_method's std, distinct experts, the default RNG stream untouched, and megatron's
+    tensor-parallel attributes set once (megatron asserts they are not set twice)."""
+    import dataclasses
+
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from adapter import device
+
+    with one_rank_model_parallel():
+        config = dataclasses.replace(_experts_config(bias=False), use_cpu_initialization=False)
+        default_stream = get_cuda_rng_tracker().get_states()
+        grouped, _ = _both_expert_layers(config)
+        weights = [getattr(grouped.linear_fc1, f"weight{i}") for i in range(len(SPLITS))]
+        assert {w.device for w in weights} == {device.torch_device()}
+        assert all(w.tensor_model_parallel and w.partition_dim == 0 for w in weights)
+        assert torch.stack(weights).std().item() == pytest.approx(config.init_method_std, rel=0.3)
+        assert not torch.equal(weights[0], weights[1])
+        assert torch.equal(get_cuda_rng_tracker().get_states()["model-parallel-rng"],
+                           default_stream["model-parallel-rng"])
+
+
 def _routing(tokens=6, experts=4, topk=2, seed=4):
     """A top-k routing map with the last expert left without tokens, and softmax probs."""
     generator = torch.Generator().manual_seed(seed)

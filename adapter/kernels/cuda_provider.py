@@ -115,11 +115,12 @@ def _no_softmax_extension(self, mask, b, np, sq, sk) -> bool:
 softmax_fusable = None if HAVE_SOFTMAX_EXTENSION else _no_softmax_extension
 rms_norm = torch_provider.rms_norm
 layer_norm = torch_provider.layer_norm
-# megatron's own SwiGLU, RoPE (TE's when installed; without TE megatron refuses apply_rope_fusion itself),
-# scaled masked softmax (apex's kernel) and cross entropy (native or TE) stay in place.
+# megatron's own SwiGLU, scaled masked softmax (apex's kernel) and cross entropy (native or TE) stay in
+# place, and so does RoPE where Transformer Engine supplies it. Without TE, megatron has no fused RoPE and
+# refuses apply_rope_fusion (its default in Megatron-LM's arguments); the torch provider's then answers it.
 bias_swiglu = None
-rope = None
-rope_thd = None
+rope = None if HAVE_TE else torch_provider.rope
+rope_thd = None if HAVE_TE else torch_provider.rope_thd
 scaled_masked_softmax = None
 vocab_parallel_cross_entropy = None
 

@@ -22,9 +22,12 @@ from __future__ import annotations
 import torch
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.layers import _initialize_affine_weight_gpu, set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+from adapter import device as device_layer
 
 _PARTITION_DIM = {"column": 0, "row": 1}  # the weight dim an expert-tensor-parallel rank holds a slice of
 
@@ -52,7 +55,7 @@ class GroupedLinear(torch.nn.Module):
         self.stride = 2 if self.parallel_mode == "column" and config.gated_linear_unit else 1
         shape = [output_size, input_size]
         shape[dim] = divide(shape[dim], tp_size)
-        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        device = None if config.use_cpu_initialization else device_layer.torch_device()
         for i in range(num_gemms):
             weight = torch.nn.Parameter(torch.empty(shape, device=device, dtype=config.params_dtype))
             set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=self.stride)
@@ -74,12 +77,13 @@ class GroupedLinear(torch.nn.Module):
     def _initialize(self, init_method, output_size: int, input_size: int, dim: int) -> None:
         """With ``use_cpu_initialization``, every rank draws every global expert's full weight in order and
         keeps its own slice, so one seed gives the same experts at any EP / expert-TP layout (as megatron's
-        CPU initialisation does for TP). Otherwise megatron's device initialisation with the expert RNG."""
+        CPU initialisation does for TP). Otherwise each local slice is drawn on the device with the expert RNG,
+        as megatron's device initialisation of expert weights does."""
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
         if not self.config.use_cpu_initialization:
-            for weight in weights:
-                _initialize_affine_weight_gpu(weight, init_method, partition_dim=dim, stride=self.stride,
-                                              is_expert=True)
+            with torch.no_grad(), get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                for weight in weights:
+                    init_method(weight)
             return
         ep_group, tp_rank, tp_size = self._pg_collection.ep, self._tp_group.rank(), self._tp_group.size()
         first, chunk = ep_group.rank() * self.num_gemms, weights[0].shape[dim] // self.stride

@@ -119,6 +119,9 @@ def setup_model_and_optimizer(model_provider, model_type=ModelType.encoder_or_de
     chunks = [model_provider(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=s),
                              post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=s),
                              vp_stage=s) for s in stages]
+    # as Megatron-LM's get_model: modules built without a device (torch's norms, the kernel provider's)
+    # start on the CPU whatever use_cpu_initialization says, so each chunk goes to this rank's device
+    chunks = [chunk.to(adapter.device.torch_device()) for chunk in chunks]
     config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.params_dtype != torch.float32,
@@ -159,7 +162,7 @@ def _reduced_losses(losses: list[dict]) -> dict:
     for name in losses[0]:
         values = torch.stack([entry[name].float().reshape(-1) for entry in losses])
         pair = values.shape[-1] == 2
-        total = values.sum(dim=0) if pair else torch.stack([values.mean(), torch.ones(())])
+        total = values.sum(dim=0) if pair else torch.stack([values.mean(), values.new_ones(())])
         torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
         out[name] = (total[0] / total[1]).item()
     return out
@@ -248,7 +251,8 @@ def build_train_valid_test_data_iterators(dataset_provider, consumed: dict) -> t
 
     # Ranks that read no data (not TP rank 0, or a middle stage) get no datasets; whether the valid
     # and test splits have data is decided for all ranks together, so all run the same evaluations.
-    present = torch.tensor([int(d is not None and len(d) > 0) for d in datasets])
+    present = torch.tensor([int(d is not None and len(d) > 0) for d in datasets],
+                           device=adapter.device.torch_device())  # NCCL and HCCL reduce device tensors only
     torch.distributed.all_reduce(present, op=torch.distributed.ReduceOp.MAX)
     return tuple(iterators(d, start) for d, start in zip(datasets, starts)), [bool(p) for p in present.tolist()]
 
