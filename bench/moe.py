@@ -7,8 +7,10 @@ weights, in one process, interleaved rounds:
 - ``sequential``: megatron's ``SequentialMLP``, one ColumnParallelLinear/RowParallelLinear pair per expert
   (what ``moe_grouped_gemm=False`` runs; the per-expert loop to beat);
 - ``grouped/<impl>``: megatron's ``TEGroupedMLP`` over the adapter's grouped linear layers, i.e. what
-  ``moe_grouped_gemm=True`` gets, once per torch implementation of the grouped GEMM (``loop``: one GEMM
-  per expert on the weights as they are; ``stacked``: torch's grouped GEMM over the stacked weights; on
+  ``moe_grouped_gemm=True`` gets, once per torch implementation of the grouped GEMM (``loop``: the torch
+  provider's, one GEMM per expert on the weights as they are, into slices of one output; ``cat``: the same
+  loop composed from autograd ops, outputs concatenated; ``stacked``: torch's grouped GEMM over the
+  stacked weights; on
   ``--device cuda`` in bfloat16, ``cuda``: the cuda provider's choice, which is what the flow runs there).
 
 ``flow``: tokens/s of the pretrain flow (megatron-core GPTModel with MoE layers, DDP, Adam; --mock-data)
@@ -75,6 +77,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def concatenated_grouped_mm(x, weights, m_splits):
+    """The per-expert loop composed from autograd ops, the torch provider's before it wrote its GEMMs into
+    one output: the experts' outputs concatenated in forward, the split's gradients in backward."""
+    return torch.cat([torch.nn.functional.linear(rows, weight) for rows, weight in zip(x.split(m_splits), weights)])
+
+
 def stacked_grouped_mm(x, weights, m_splits):
     """The candidate to the torch provider's per-expert loop: one call of torch's grouped GEMM over the
     stacked weights. Float32 only: on the CPU torch 2.13's kernel drops bf16/fp16 gradients (they come
@@ -116,7 +124,7 @@ def bench_experts(rounds: int, tokens: int, repeats: int) -> dict:
     from adapter.kernels import cuda_provider, torch_provider
     from tests.kernel_reference import one_rank_model_parallel
 
-    impls = {"loop": torch_provider.looped_grouped_mm, "stacked": stacked_grouped_mm}
+    impls = {"loop": torch_provider.looped_grouped_mm, "cat": concatenated_grouped_mm, "stacked": stacked_grouped_mm}
     if _device().type == "cuda":
         impls["cuda"] = cuda_provider.grouped_mm
     with one_rank_model_parallel():

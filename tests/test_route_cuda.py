@@ -112,8 +112,12 @@ EXPECTED = {"model": "cpu", "to": "cpu", "cuda": "cpu", "factory": "cpu", "is_cu
             "count": 1, "current": torch.device("cpu"), "type": "torch.cuda.FloatTensor", "rng": True}
 
 
-def _cuda_fails_here(call):
-    with pytest.raises((AssertionError, RuntimeError), match="(?i)cuda"):
+def _cuda_as_written(call):
+    """Unrouted code meets the real torch.cuda: it fails where CUDA is missing (a CPU build of torch names
+    CUDA, a CUDA build without a driver names the NVIDIA driver) and runs on the GPU where there is one."""
+    if torch.cuda.is_available():
+        return call()
+    with pytest.raises((AssertionError, RuntimeError), match="(?i)cuda|nvidia"):
         call()
 
 
@@ -149,7 +153,7 @@ def test_an_object_guarding_its_attributes_does_not_break_routing(user_packages,
 def test_pinned_host_copies_are_plain_host_copies_without_an_accelerator(user_packages):
     """torch refuses to pin without an accelerator; routed, the copies are made in ordinary host memory,
     still copies: megatron frees the buffer right after."""
-    with pytest.raises(RuntimeError, match="(?i)accelerator"):
+    with pytest.raises(RuntimeError, match="(?i)accelerator|nvidia driver"):
         importlib.import_module("sibling.pinning").offload(torch.arange(4.0))
     pinning = _route_and_import("pinning", "route-then-import")
     host, staging = pinning.offload(torch.arange(4.0))
@@ -164,8 +168,8 @@ def test_nothing_outside_the_named_package_changes(user_packages):
     sibling = importlib.import_module("sibling.train")
     assert sibling.torch is torch and sibling.current_device is torch.cuda.current_device
     assert torch.cuda is real_cuda and torch.zeros is real_zeros and sys.modules["torch.cuda"] is real_cuda
-    _cuda_fails_here(sibling.place)  # the same code, unrouted, fails here as written
-    _cuda_fails_here(lambda: torch.ones(1).cuda())  # and so does this test's own .cuda()
+    _cuda_as_written(sibling.place)  # the same code, unrouted, runs as written
+    _cuda_as_written(lambda: torch.ones(1).cuda())  # and so does this test's own .cuda()
 
 
 def test_unroute_gives_the_package_back_its_torch(user_packages):
@@ -174,7 +178,7 @@ def test_unroute_gives_the_package_back_its_torch(user_packages):
     adapter.unroute_cuda("userpkg")
     assert train.torch is torch and train.current_device is torch.cuda.current_device
     assert "userpkg" not in cuda_scope.routed_packages()
-    _cuda_fails_here(train.place)
+    _cuda_as_written(train.place)
 
 
 def test_cuda_calls_routes_a_scripts_own_block():
@@ -184,7 +188,7 @@ def test_cuda_calls_routes_a_scripts_own_block():
         moved = torch.ones(1).to("cuda")
         assert moved.is_cuda
     assert next(model.parameters()).device.type == "cpu" and moved.device.type == "cpu"
-    _cuda_fails_here(lambda: torch.ones(1).cuda())  # outside the block, as written
+    _cuda_as_written(lambda: torch.ones(1).cuda())  # outside the block, as written
 
 
 @pytest.mark.parametrize("name, says", [
@@ -201,8 +205,9 @@ def test_a_backend_name_handed_on_by_a_routed_module_is_mapped(user_packages):
     adapter.route_cuda("userpkg")
     grid = importlib.import_module("userpkg.grid")
     assert grid.join_with(dist.HashStore(), "nccl") == "gloo"
-    with pytest.raises(RuntimeError, match="NCCL"):
-        importlib.import_module("sibling.grid").join_with(dist.HashStore(), "nccl")
+    if not torch.cuda.is_available():  # unrouted, "nccl" stays NCCL, which needs a GPU
+        with pytest.raises((RuntimeError, ValueError), match="NCCL"):
+            importlib.import_module("sibling.grid").join_with(dist.HashStore(), "nccl")
     # a module that hands no backend on keeps the real torch.distributed: mock.patch reaches it
     assert importlib.import_module("userpkg.plain").torch.distributed is dist
 

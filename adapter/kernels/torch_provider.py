@@ -13,6 +13,8 @@ masking and its RNG-tracked dropout are reproduced exactly.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -195,13 +197,45 @@ scaled_masked_softmax = None
 vocab_parallel_cross_entropy = cross_entropy.vocab_parallel_cross_entropy
 
 
+class _LoopedGroupedMM(torch.autograd.Function):
+    """One GEMM per expert, each writing its rows of one output (and of dx in backward) in place. Composed
+    from autograd ops instead, the loop pays a full copy of the rows to concatenate the experts' outputs in
+    forward and another to concatenate the split's gradients in backward (bench/moe.py: ``grouped/cat``)."""
+
+    @staticmethod
+    def forward(ctx, x, m_splits, *weights):
+        ctx.save_for_backward(x, *weights)
+        ctx.bounds = _row_bounds(m_splits)
+        out = x.new_empty(x.shape[0], weights[0].shape[0])
+        for (start, end), weight in zip(ctx.bounds, weights):
+            torch.mm(x[start:end], weight.t(), out=out[start:end])
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *weights = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        dw = []
+        for i, ((start, end), weight) in enumerate(zip(ctx.bounds, weights)):
+            if dx is not None:
+                torch.mm(dy[start:end], weight, out=dx[start:end])
+            dw.append(dy[start:end].t() @ x[start:end] if ctx.needs_input_grad[2 + i] else None)
+        return (dx, None, *dw)
+
+
+def _row_bounds(m_splits) -> list[tuple[int, int]]:
+    ends = list(itertools.accumulate(int(m) for m in m_splits))
+    return list(zip([0, *ends[:-1]], ends))
+
+
 def looped_grouped_mm(x, weights, m_splits):
-    """``x[rows of i] @ weights[i].T`` expert by expert: one GEMM each, no copy of the weights."""
-    return torch.cat([F.linear(rows, weight) for rows, weight in zip(x.split(m_splits), weights)])
+    """``x[rows of i] @ weights[i].T`` expert by expert: one GEMM each, no copy of the weights or the rows."""
+    return _LoopedGroupedMM.apply(x.contiguous(), m_splits, *weights)
 
 
-# Measured against one torch grouped GEMM over the stacked weights (bench/moe.py): no faster on the CPU at
-# MoE shapes, a copy of the weights per call, and torch 2.13's CPU kernel drops bf16/fp16 gradients.
+# Measured against one torch grouped GEMM over the stacked weights (bench/moe.py): slower on the CPU at MoE
+# shapes, a copy of the weights per call, and torch 2.13's CPU kernel drops bf16/fp16 gradients.
 grouped_mm = looped_grouped_mm
 # moe_permute_fusion: TE's interface over torch index ops (tokens in megatron's unfused order)
 moe_permute = _moe_permute
