@@ -219,8 +219,10 @@ def run_transformers(iters: int, warmup: int) -> float:
 def _child(kind: str, iters: int, warmup: int) -> float:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "ADAPTER_BACKEND": _device().type}
+    shape = ["--experts", str(MOE["num_experts"]), "--topk", str(MOE["topk"]),
+             "--expert-ffn", str(MOE["moe_ffn_hidden_size"])]
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--child", kind, "--iters", str(iters),
-                           "--warmup", str(warmup)], cwd=ROOT, env=env, capture_output=True, text=True)
+                           "--warmup", str(warmup), *shape], cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise SystemExit(f"{kind} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -254,9 +256,9 @@ def main(argv=None) -> None:
     parser.add_argument("what", nargs="?", choices=["experts", "flow", "all"], default="all")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens routed to the experts (x top-k rows)")
-    parser.add_argument("--experts", type=int, default=MOE["num_experts"], help="experts: how many")
-    parser.add_argument("--topk", type=int, default=MOE["topk"], help="experts: per token")
-    parser.add_argument("--expert-ffn", type=int, default=MOE["moe_ffn_hidden_size"], help="experts: FFN size")
+    parser.add_argument("--experts", type=int, default=MOE["num_experts"], help="how many experts (both parts)")
+    parser.add_argument("--topk", type=int, default=MOE["topk"], help="experts per token (both parts)")
+    parser.add_argument("--expert-ffn", type=int, default=MOE["moe_ffn_hidden_size"], help="expert FFN size (both parts)")
     parser.add_argument("--repeats", type=int, default=3, help="steps per round; the best counts")
     parser.add_argument("--iters", type=int, default=6, help="flow: measured iterations per run")
     parser.add_argument("--warmup", type=int, default=3, help="flow: warm-up iterations per run")
@@ -266,12 +268,12 @@ def main(argv=None) -> None:
     if args.device:
         os.environ["ADAPTER_BACKEND"] = args.device
     os.environ.setdefault("ADAPTER_BACKEND", "cpu")
+    MOE.update(num_experts=args.experts, topk=args.topk, moe_ffn_hidden_size=args.expert_ffn)
     if args.child:
         run = run_flow if args.child == "flow" else run_transformers
         print("RESULT " + json.dumps(run(args.iters, args.warmup)), flush=True)
         return
     if args.what in ("experts", "all"):
-        MOE.update(num_experts=args.experts, topk=args.topk, moe_ffn_hidden_size=args.expert_ffn)
         print_experts(bench_experts(args.rounds, args.tokens, args.repeats))
     if args.what in ("flow", "all"):
         print_flow(bench_flow(args.rounds, args.iters, args.warmup), args.iters, args.warmup)
