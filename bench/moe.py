@@ -258,7 +258,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens routed to the experts (x top-k rows)")
     parser.add_argument("--experts", type=int, default=MOE["num_experts"], help="how many experts (both parts)")
     parser.add_argument("--topk", type=int, default=MOE["topk"], help="experts per token (both parts)")
-    parser.add_argument("--expert-ffn", type=int, default=MOE["moe_ffn_hidden_size"], help="expert FFN size (both parts)")
+    parser.add_argument("--expert-ffn", type=int, default=MOE["moe_ffn_hidden_size"], help="expert FFN (both parts)")
     parser.add_argument("--repeats", type=int, default=3, help="steps per round; the best counts")
     parser.add_argument("--iters", type=int, default=6, help="flow: measured iterations per run")
     parser.add_argument("--warmup", type=int, default=3, help="flow: warm-up iterations per run")

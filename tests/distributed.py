@@ -8,12 +8,23 @@ still running at the timeout is killed, so a broken collective fails the test in
 It and ``launch_ranks`` (every rank run to its own end, for tests of how ranks stop) are the suite's
 launchers of multi-rank tests: every test that calls one is marked ``multiproc`` (tests/test_markers.py
 checks the sources).
+
+Importing torch, the adapter and megatron costs a rank about 8 s of CPU, more than most rank functions
+run. So ``run_ranks`` forks its ranks from an interpreter that has imported them once (a zygote), one per
+environment the ranks run in apart from torchrun's variables: the adapter reads the backend, the kernel
+provider and PYTHONPATH at import, so ranks of another environment get a zygote of their own. Where a
+zygote cannot import (a device backend this machine lacks), the ranks are fresh interpreters. A forked
+rank is a fresh process in every other respect: its own pid, environment, process groups and log, and an
+exit status read by the zygote.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -37,7 +48,7 @@ def free_port() -> int:
 def run_ranks(world_size: int, fn, *args, env: dict | None = None, timeout: float = 600.0) -> list:
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         tmp = Path(tmp)
-        procs = _start(tmp, world_size, fn, args, env)
+        procs = _start(tmp, world_size, fn, args, env, fork=True)
         deadline = time.monotonic() + timeout
         failed = None
         while any(p.poll() is None for p, _ in procs):
@@ -76,19 +87,26 @@ def launch_ranks(world_size: int, fn, *args, env: dict | None = None, timeout: f
                  "log": (tmp / f"rank{r}.log").read_text()} for r in range(world_size)]
 
 
-def _start(tmp: Path, world_size: int, fn, args: tuple, env: dict | None) -> list:
-    (tmp / "call.pkl").write_bytes(pickle.dumps((fn.__module__, fn.__qualname__, args)))
-    port = free_port()
-    procs = []
-    # the repo root first; a PYTHONPATH in ``env`` (e.g. the torch_npu double) after it, then the
-    # caller's own (e.g. a Megatron-LM checkout for the megatron_lm tests)
+def _base_env(env: dict | None) -> dict:
+    """What every rank of a call shares: the caller's environment, ``env``, one thread, and PYTHONPATH with
+    the repo root first, a PYTHONPATH in ``env`` (e.g. the torch_npu double) after it, then the caller's
+    own (e.g. a Megatron-LM checkout for the megatron_lm tests)."""
     pythonpath = os.pathsep.join([str(ROOT)] + [p for p in ((env or {}).get("PYTHONPATH"),
                                                              os.environ.get("PYTHONPATH")) if p])
+    return {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
+
+
+def _start(tmp: Path, world_size: int, fn, args: tuple, env: dict | None, fork: bool = False) -> list:
+    (tmp / "call.pkl").write_bytes(pickle.dumps((fn.__module__, fn.__qualname__, args)))
+    port, base = free_port(), _base_env(env)
+    zygote = _Zygote.serving(base) if fork else None
+    procs = []
     for rank in range(world_size):
-        rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
+        rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                    "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        if zygote is not None:
+            procs.append((zygote.fork(tmp, rank, rank_env), None))
+            continue
         log = open(tmp / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, "-m", "tests.distributed", str(tmp), str(rank)],
                                        env=rank_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
@@ -100,7 +118,147 @@ def _stop(procs: list) -> None:
         if p.poll() is None:
             p.kill()
         p.wait()
-        log.close()
+        if log is not None:
+            log.close()
+
+
+# Set per rank, or by pytest per test: they may differ from the zygote's without a fresh interpreter
+_PER_RANK = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "PYTEST_CURRENT_TEST"}
+# What the zygote imports: what nearly every rank function imports first
+_PRELOAD = ("adapter", "megatron.core.parallel_state", "megatron.core.models.gpt", "megatron.core.optimizer",
+            "megatron.core.distributed", "megatron.core.dist_checkpointing", "megatron.core.transformer.moe.moe_layer")
+
+
+class _ForkedRank:
+    """A rank forked by the zygote, with Popen's poll / kill / wait: its exit status is the file the
+    zygote writes when it reaps it."""
+
+    def __init__(self, pid: int, status: Path):
+        self.pid, self._status, self.returncode = pid, status, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._status.exists():
+            self.returncode = int(self._status.read_text())
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.returncode is None:  # the zygote is gone: nobody reaps or reports
+            self.returncode = -signal.SIGKILL
+        return self.returncode
+
+
+class _Zygote:
+    """An interpreter that imported ``_PRELOAD`` under one environment and forks ranks on request. One per
+    environment seen (a test's backend or kernel provider, an environment variable a test left set), the
+    least recently used closed beyond ``_KEPT``."""
+
+    _KEPT = 3
+    _started: dict[tuple, _Zygote] = {}
+
+    def __init__(self, env: dict):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.distributed", "--zygote"], env=env, cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
+        self.ready = self.proc.stdout.readline().strip() == "ready"
+
+    @classmethod
+    def serving(cls, env: dict) -> _Zygote | None:
+        """The zygote for ranks with this environment (torchrun's variables aside), started on first use;
+        None where it cannot import there (e.g. a device backend this machine lacks): fresh interpreters
+        then, which report the import error in the rank's log."""
+        key = tuple(sorted((k, v) for k, v in env.items() if k not in _PER_RANK))
+        zygote = cls._started.pop(key, None)
+        if zygote is None or zygote.proc.poll() is not None:
+            zygote = cls(env)
+        cls._started[key] = zygote  # the most recently used last
+        while len(cls._started) > cls._KEPT:
+            cls._started.pop(next(iter(cls._started))).close()
+        return zygote if zygote.ready else None
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def fork(self, tmp: Path, rank: int, env: dict) -> _ForkedRank:
+        self.proc.stdin.write(json.dumps({"tmp": str(tmp), "rank": rank, "env": env}) + "\n")
+        self.proc.stdin.flush()
+        return _ForkedRank(int(self.proc.stdout.readline()), tmp / f"rank{rank}.status")
+
+
+def _zygote() -> None:
+    """Import once, then fork a rank per request on stdin (answering its pid), reap the ranks and write
+    each one's exit status next to its log. Ends when stdin closes."""
+    import importlib
+
+    for name in _PRELOAD:
+        importlib.import_module(name)
+    print("ready", flush=True)
+    ranks: dict[int, Path] = {}
+    while True:
+        readable, _, _ = select.select([sys.stdin], [], [], 0.02)
+        _reap(ranks)
+        if not readable:
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            break
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _run_forked(request)  # never returns
+        ranks[pid] = Path(request["tmp"]) / f"rank{request['rank']}.status"
+        print(pid, flush=True)
+    for pid in ranks:
+        os.kill(pid, signal.SIGKILL)
+
+
+def _reap(ranks: dict) -> None:
+    while ranks:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        path = ranks.pop(pid, None)
+        if path is not None:  # written whole, then renamed: the launcher never reads half a status
+            path.with_suffix(".partial").write_text(str(os.waitstatus_to_exitcode(status)))
+            path.with_suffix(".partial").replace(path)
+
+
+def _run_forked(request: dict) -> None:
+    """In the forked child: the rank's environment and log, then ``_main`` (which leaves its process
+    groups), then ``os._exit``: the zygote's own interpreter state is not the rank's to tear down."""
+    os.environ.clear()
+    os.environ.update(request["env"])
+    log = os.open(Path(request["tmp"]) / f"rank{request['rank']}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    code = 0
+    try:
+        _main(request["tmp"], str(request["rank"]))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _main(tmp: str, rank: str) -> None:
@@ -126,4 +284,7 @@ def _leave_process_groups() -> None:
 
 
 if __name__ == "__main__":
-    _main(*sys.argv[1:3])
+    if sys.argv[1] == "--zygote":
+        _zygote()
+    else:
+        _main(*sys.argv[1:3])
