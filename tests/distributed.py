@@ -178,7 +178,7 @@ class _Zygote:
         then, which report the import error in the rank's log."""
         key = tuple(sorted((k, v) for k, v in env.items() if k not in _PER_RANK))
         zygote = cls._started.pop(key, None)
-        if zygote is None or zygote.proc.poll() is not None:
+        if zygote is None or (zygote.ready and zygote.proc.poll() is not None):  # one that could not import stays
             zygote = cls(env)
         cls._started[key] = zygote  # the most recently used last
         while len(cls._started) > cls._KEPT:

@@ -49,11 +49,16 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("argv, world, message", REFUSED, ids=[m[:40] for _, _, m in REFUSED])
-def test_each_refusal_names_the_value_and_the_fix(argv, world, message):
+def assert_refused(argv: list[str], world: int, message: str) -> None:
+    """``validate_args`` refuses ``argv`` at ``world`` ranks with one error starting with ``message``."""
     with pytest.raises(ArgumentError) as refused:
         validate_args(parse_args(argv), world)
     assert str(refused.value).startswith(message)
+
+
+@pytest.mark.parametrize("argv, world, message", REFUSED, ids=[m[:40] for _, _, m in REFUSED])
+def test_each_refusal_names_the_value_and_the_fix(argv, world, message):
+    assert_refused(argv, world, message)
 
 
 def test_num_micro_batches_is_global_over_micro_times_dp():

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import models
-from adapter.training.arguments import ArgumentError, moe_freq_type, parse_args, validate_args
+from adapter.training.arguments import moe_freq_type, parse_args, validate_args
 from tests.distributed import run_ranks
 from tests.pretrain_ranks import run_pretrain_printing
+from tests.test_arguments import BASE, assert_refused
 from tests.test_memory_plan import QWEN2_57B
 
-BASE = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
 MOE = ["--model", "gpt-tiny-moe", *BASE]
 DENSE = ["--model", "gpt-tiny", *BASE]
 # a MoE model from architecture arguments: Megatron-LM's default linear biases, 4 experts
@@ -62,9 +62,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("argv, world, message", REFUSED, ids=[m[:50] for _, _, m in REFUSED])
 def test_each_moe_refusal_names_the_value_and_the_fix(argv, world, message):
-    with pytest.raises(ArgumentError) as refused:
-        validate_args(parse_args(argv), world)
-    assert str(refused.value).startswith(message)
+    assert_refused(argv, world, message)
 
 
 def test_moe_arguments_over_a_named_model():
