@@ -6,10 +6,10 @@ Families map flavor names to plain-data ``ModelConfig``s, torchtitan style; a mo
 
 from __future__ import annotations
 
-from . import gpt, qwen
+from . import gpt, qwen, qwen3
 from .config import ModelConfig, ModelConfigError
 
-FAMILIES = {"gpt": gpt.FLAVORS, "qwen2.5": qwen.FLAVORS}
+FAMILIES = {"gpt": gpt.FLAVORS, "qwen2.5": qwen.FLAVORS, "qwen3": qwen3.FLAVORS}
 
 
 def names() -> list[str]:

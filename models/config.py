@@ -61,6 +61,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     # a norm over each head's queries and keys, of the head size (Qwen3)
     qk_layernorm: bool = False
+    # each attention head's size, megatron's kv_channels (HF head_dim); None: hidden_size / heads
+    kv_channels: int | None = None
     # Mixture of Experts, megatron's meanings (module docstring); num_experts None is a dense model
     num_experts: int | None = None
     moe_ffn_hidden_size: int | None = None
@@ -72,6 +74,9 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: float | None = None
     moe_router_enable_expert_bias: bool = False
+    # the load-balancing loss coefficient the model was published with (HF router_aux_loss_coef), which a
+    # training run uses unless told otherwise (megatron's moe_aux_loss_coeff)
+    moe_aux_loss_coeff: float = 0.0
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -81,9 +86,12 @@ class ModelConfig:
                               ("position_embedding", POSITION_EMBEDDINGS)):
             if getattr(self, name) not in allowed:
                 raise ModelConfigError(f"{name}={getattr(self, name)!r}: use one of {', '.join(allowed)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None:
+            _positive("kv_channels", self.kv_channels)
+        elif self.hidden_size % self.num_attention_heads:
             raise ModelConfigError(f"hidden_size={self.hidden_size} is not divisible by "
-                                   f"num_attention_heads={self.num_attention_heads}")
+                                   f"num_attention_heads={self.num_attention_heads}: set kv_channels (the "
+                                   "head size) explicitly")
         if self.num_attention_heads % self.num_query_groups:
             raise ModelConfigError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
                                    f"num_query_groups={self.num_query_groups}")
@@ -96,6 +104,8 @@ class ModelConfig:
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
         if self.moe_shared_expert_intermediate_size == 0:
             object.__setattr__(self, "moe_shared_expert_intermediate_size", None)
+        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
+            object.__setattr__(self, "kv_channels", None)
         if self.num_experts is None:
             self._check_dense()
         else:
@@ -147,6 +157,8 @@ class ModelConfig:
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ModelConfigError("moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' "
                                    "(megatron's aux-loss-free balancing biases sigmoid scores)")
+        if not self.moe_aux_loss_coeff >= 0:
+            raise ModelConfigError(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff!r}: must be zero or more")
         factor = self.moe_router_topk_scaling_factor
         if factor is not None and not factor > 0:
             raise ModelConfigError(f"moe_router_topk_scaling_factor={factor!r}: must be positive, or None for "
@@ -154,7 +166,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Each attention head's size: ``kv_channels`` where set (Qwen3: 128 whatever the hidden size)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def expert_ffn_hidden_size(self) -> int:
@@ -229,7 +242,7 @@ class ModelConfig:
         qkv_rows = (self.num_attention_heads + 2 * self.num_query_groups) * d
         norm = 2 * h if self.normalization == "LayerNorm" else h
         qk_norms = 2 * (2 * d if self.normalization == "LayerNorm" else d) if self.qk_layernorm else 0
-        attention = (qkv_rows * h + h * h + (qkv_rows if self.add_qkv_bias else 0)
+        attention = (qkv_rows * h + self.num_attention_heads * d * h + (qkv_rows if self.add_qkv_bias else 0)
                      + (h if self.add_bias_linear else 0) + qk_norms)
         return 2 * norm + attention + (self.moe_parameters() if moe else self.mlp_parameters(self.ffn_hidden_size))
 

@@ -95,81 +95,89 @@ def read_hf_config(hf_dir: Path) -> tuple[dict, ModelConfig]:
         raise ConversionError(f"{path}: {exc}") from exc
 
 
-def _layer_range(model: ModelConfig) -> list[str]:
-    return [str(i) for i in range(model.num_layers)]
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One megatron tensor a mapping converts: the checkpoint tensor ``key`` at the leading indices
+    ``prefix`` (the layer and expert axes megatron prepends, where it does), ``shape`` below them."""
+    key: str
+    prefix: tuple[int, ...]
+    shape: tuple[int, ...]
+    mapping: hf_format.Mapping
+    layer: int | None = None
+    expert: int | None = None
+
+    def hf_names(self) -> list[str]:
+        return self.mapping.hf_names("" if self.layer is None else str(self.layer),
+                                     "" if self.expert is None else str(self.expert))
+
+    def hf_tensors(self, model: ModelConfig) -> list[tuple]:
+        """(HF name, shape, this site, index in the mapping) of each HF tensor this site is made of."""
+        return [(name, shape, self, index) for index, (name, shape) in enumerate(
+            zip(self.hf_names(), self.mapping.hf_shapes(model, self.shape)))]
 
 
-def _plan(model: ModelConfig, architecture: str, layout: list) -> list[tuple]:
-    """(checkpoint entry, mapping, layer) for every tensor megatron checkpoints; refuses a layout the
-    mapping does not cover exactly (a megatron version whose keys moved)."""
+# a per-layer key of a model whose layers differ (dense and MoE): the layer is in the name, not an axis
+_NUMBERED_LAYER = re.compile(re.escape(hf_format.LAYER_PREFIX) + r"(\d+)\.(.+)")
+
+
+def _locate(entry) -> tuple[str, int | None, tuple[int, ...]]:
+    """(name relative to the layer, layer, leading indices) of a ShardedTensor of megatron's layout."""
+    prefix = tuple(entry.global_offset[:entry.prepend_axis_num])
+    numbered = _NUMBERED_LAYER.fullmatch(entry.key)
+    if numbered:
+        return numbered[2], int(numbered[1]), prefix
+    if entry.key.startswith(hf_format.LAYER_PREFIX):
+        return entry.key[len(hf_format.LAYER_PREFIX):], prefix[0], prefix
+    return entry.key, None, prefix
+
+
+def _plan(model: ModelConfig, architecture: str, layout: list) -> tuple[list[tuple], list[Site]]:
+    """(checkpoint entry, site) for every tensor megatron checkpoints, and every site in save_pretrained's
+    order (embeddings, each layer, final norm and output layer); refuses a layout the mapping does not cover
+    exactly (a megatron version whose keys moved)."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    whole, per_layer = hf_format.ARCHITECTURES[architecture].mappings(model)
-    by_key = {m.megatron: m for m in whole}
-    by_key.update({hf_format.LAYER_PREFIX + m.megatron: m for m in per_layer})
-    plan, seen = [], set()
-    for entry in layout:
-        if not isinstance(entry, ShardedTensor):
-            continue
-        mapping = by_key.get(entry.key)
+    whole, dense, moe = hf_format.ARCHITECTURES[architecture].mappings(model)
+    kinds = model.moe_layer_pattern()
+    sites, plan = {}, []
+    for entry in (e for e in layout if isinstance(e, ShardedTensor)):
+        name, layer, prefix = _locate(entry)
+        mappings = whole if layer is None else (moe if kinds[layer] else dense)
+        mapping = next((m for m in mappings if m.megatron == name), None)
         if mapping is None:
             raise ConversionError(f"megatron checkpoints {entry.key!r}, which the {architecture} mapping "
                                   "does not produce: this megatron-core version is not supported")
-        layer = str(entry.global_offset[0]) if entry.prepend_axis_num else None
-        plan.append((entry, mapping, layer))
-        seen.add(entry.key)
-    unused = sorted(set(by_key) - seen)
-    if unused:
-        raise ConversionError(f"the {architecture} mapping produces {unused}, which megatron does not "
-                              "checkpoint: this megatron-core version is not supported")
-    return plan
+        expert = prefix[-1] if hf_format.per_expert(mapping) else None
+        site = sites.setdefault((name, layer, expert), Site(
+            entry.key, prefix, tuple(entry.global_shape[len(prefix):]), mapping, layer, expert))
+        plan.append((entry, site))
+    expected = [(m.megatron, None, None) for m in whole if m.megatron.startswith("embedding.")]
+    for layer, sparse in enumerate(kinds):
+        for m in (moe if sparse else dense):
+            experts = range(model.num_experts) if hf_format.per_expert(m) else [None]
+            expected += [(m.megatron, layer, expert) for expert in experts]
+    expected += [(m.megatron, None, None) for m in whole if not m.megatron.startswith("embedding.")]
+    unused = [site for site in expected if site not in sites]
+    if unused or len(expected) != len(sites):
+        raise ConversionError(f"the {architecture} mapping produces {unused[:3]} (name, layer, expert), which "
+                              "megatron does not checkpoint: this megatron-core version is not supported")
+    return plan, [sites[site] for site in expected]
 
 
-def _hf_tensors(model: ModelConfig, architecture: str) -> list[tuple[str, tuple, object, str | None, int]]:
-    """Every HF tensor in save_pretrained's order: (name, shape, mapping, layer, index in mapping)."""
-    whole, per_layer = hf_format.ARCHITECTURES[architecture].mappings(model)
-    shapes = _megatron_shapes(model)
-
-    def entries(mapping, layer: str | None, megatron_shape: tuple) -> list[tuple]:
-        return [(name, shape, mapping, layer, index) for index, (name, shape) in enumerate(
-            zip(mapping.hf_names(layer or ""), mapping.hf_shapes(model, megatron_shape)))]
-
-    out = [e for m in whole if m.megatron.startswith("embedding.") for e in entries(m, None, shapes[m.megatron])]
-    for layer in _layer_range(model):
-        for m in per_layer:
-            out += entries(m, layer, shapes[hf_format.LAYER_PREFIX + m.megatron][1:])
-    return out + [e for m in whole if not m.megatron.startswith("embedding.")
-                  for e in entries(m, None, shapes[m.megatron])]
-
-
-def _megatron_shapes(model: ModelConfig) -> dict[str, tuple]:
-    """Global shape of every checkpoint tensor (per-layer ones with their leading layer axis)."""
-    h, f, d, L = model.hidden_size, model.ffn_hidden_size, model.head_dim, model.num_layers
-    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * d
-    p = hf_format.LAYER_PREFIX
-    return {
-        "embedding.word_embeddings.weight": (model.vocab_size, h),
-        "output_layer.weight": (model.vocab_size, h),
-        "decoder.final_layernorm.weight": (h,),
-        p + "self_attention.linear_qkv.layer_norm_weight": (L, h),
-        p + "self_attention.linear_qkv.weight": (L, qkv, h),
-        p + "self_attention.linear_qkv.bias": (L, qkv),
-        p + "self_attention.linear_proj.weight": (L, h, model.num_attention_heads * d),
-        p + "mlp.linear_fc1.layer_norm_weight": (L, h),
-        p + "mlp.linear_fc1.weight": (L, 2 * f, h),
-        p + "mlp.linear_fc2.weight": (L, h, f),
-    }
+def _hf_tensors(model: ModelConfig, sites: list[Site]) -> list[tuple]:
+    """Every HF tensor in save_pretrained's order: (name, shape, site, index in its mapping)."""
+    return [tensor for site in sites for tensor in site.hf_tensors(model)]
 
 
 # ---------------------------------------------------------------------------------------------------------
 # HF -> megatron
 
-def _check_layout(model: ModelConfig, tp: int, pp: int) -> None:
-    for name, value in (("--tp", tp), ("--pp", pp)):
+def _check_layout(model: ModelConfig, tp: int, pp: int, ep: int = 1) -> None:
+    for name, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ConversionError(f"{name} {value!r}: must be a positive integer")
     try:
-        model.check_layout(tp, pp)
+        model.check_layout(tp, pp, ep=ep)
     except ModelConfigError as exc:
         raise ConversionError(str(exc)) from exc
 
@@ -180,6 +188,11 @@ _IGNORED_HF_TENSOR = re.compile(r"rotary_emb\.inv_freq$|^lm_head\.weight$")
 
 def _check_hf_tensors(weights: HFWeights, expected: list[tuple]) -> None:
     missing = [name for name, *_ in expected if name not in weights.shape]
+    fused = sorted(name for name in weights.shape if name.endswith(".experts.gate_up_proj"))
+    if missing and fused:
+        raise ConversionError(f"{weights.directory} holds each layer's experts fused ({fused[0]}), not one tensor "
+                              "per expert as checkpoints on the hub and transformers' save_pretrained store them: "
+                              "load it in transformers and save_pretrained it again")
     if missing:
         raise ConversionError(f"{weights.directory} lacks {len(missing)} tensor(s) its config.json implies, "
                               f"e.g. {', '.join(missing[:3])}")
@@ -196,67 +209,44 @@ def _check_hf_tensors(weights: HFWeights, expected: list[tuple]) -> None:
 
 
 def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = None,
-                progress: bool = True) -> Path:
-    """Convert a HF Qwen2/Llama directory into a megatron torch_dist release checkpoint in ``save_dir``
-    (loadable with ``--load save_dir`` at any TP/PP; ``tp``/``pp`` are checked against the model and
-    recorded as the layout it was converted for). Returns the checkpoint directory."""
+                progress: bool = True, ep: int = 1) -> Path:
+    """Convert a HF directory of a supported architecture (``hf.ARCHITECTURES``) into a megatron torch_dist
+    release checkpoint in ``save_dir`` (loadable with ``--load save_dir`` at any TP/PP/EP; ``tp``/``pp``/
+    ``ep`` are checked against the model and recorded as the layout it was converted for). Returns the
+    checkpoint directory."""
     hf_dir, save_dir = Path(hf_dir), Path(save_dir)
     from megatron.core.dist_checkpointing import ShardedObject
 
     raw_config, model = read_hf_config(hf_dir)
     architecture = raw_config["architectures"][0]
-    _check_layout(model, tp, pp)
+    _check_layout(model, tp, pp, ep)
     weights = HFWeights(hf_dir)
-    expected = _hf_tensors(model, architecture)
+    with mcore.single_process_groups():
+        layout = mcore.megatron_layout(model)
+    plan, sites = _plan(model, architecture, layout)
+    expected = _hf_tensors(model, sites)
     _check_hf_tensors(weights, expected)
     target = _dtype(dtype) or weights.dtype[expected[0][0]]
     if (save_dir / mcore.TRACKER).exists() or (save_dir / mcore.RELEASE).exists():
         raise ConversionError(f"{save_dir} already holds a checkpoint: choose an empty --save-dir")
 
-    with mcore.single_process_groups():
-        layout = mcore.megatron_layout(model)
-    plan = _plan(model, architecture, layout)
-    shapes = _megatron_shapes(model)
-    bar = _progress(progress, sum(_nbytes(e.local_shape, target) for e, _, _ in plan), "hf -> mcore")
-    cache: dict = {}
-
-    def rows(mapping, layer, first: int, count: int, shape: tuple):
-        """Rows [first, first + count) of the megatron tensor ``mapping`` gives for ``layer``: read
-        straight from the one HF tensor that holds them where there is one, else built whole (QKV)."""
-        def produce():
-            per_layer = layer is not None
-            total_rows = shapes[(hf_format.LAYER_PREFIX if per_layer else "") + mapping.megatron][per_layer]
-            names = mapping.hf_names(layer or "")
-            for index, name in enumerate(names):
-                span = mapping.row_range(index, total_rows)
-                if span and span[0] <= first and first + count <= span[0] + span[1]:
-                    block = weights.get_rows(name, first - span[0], first - span[0] + count)
-                    break
-            else:
-                if cache.get("key") != (mapping.megatron, layer):
-                    cache.update(key=(mapping.megatron, layer),
-                                 tensor=mapping.to_megatron([weights.get(n) for n in names], model))
-                block = cache["tensor"][first:first + count]
-            block = block.to(target).reshape(shape)
-            bar.update(block.numel() * block.element_size())
-            return block
-        return produce
-
+    bar = _progress(progress, sum(_nbytes(e.local_shape, target) for e, _ in plan), "hf -> mcore")
+    rows = _row_reader(weights, model, target, bar)
     chunks = []
-    for entry, mapping, layer in plan:
+    for entry, site in plan:
         axis = entry.prepend_axis_num
         for start, count in _row_blocks(entry.local_shape, target):
             offset = list(entry.global_offset)
             offset[axis] += start
             shape = (1,) * axis + (count, *entry.local_shape[1:])
             chunks.append(mcore.tensor_chunk(entry.key, entry.global_shape, offset, shape, target,
-                                             rows(mapping, layer, entry.global_offset[axis] + start, count,
-                                                  shape)))
+                                             rows(site, entry.global_offset[axis] + start, count, shape)))
     chunks += [mcore.object_chunk(entry.unique_key, entry.data) for entry in layout
                if isinstance(entry, ShardedObject)]
     common = {"checkpoint_version": mcore.CHECKPOINT_VERSION, "iteration": 0,
               "model_config": dataclasses.asdict(model), "hf_architecture": architecture,
-              "converted_for": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}}
+              "converted_for": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                "expert_model_parallel_size": ep}}
     save_dir.mkdir(parents=True, exist_ok=True)
     _copy_assets(hf_dir, save_dir / HF_ASSETS, with_config=True)
     with mcore.single_process_groups():
@@ -265,13 +255,39 @@ def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = 
     return path
 
 
+def _row_reader(weights: HFWeights, model: ModelConfig, target: torch.dtype, bar):
+    """``rows(site, first, count, shape)``: a function producing rows [first, first + count) of ``site``'s
+    megatron tensor, reshaped to ``shape``, when the writer reaches them: read straight from the one HF
+    tensor that holds them where there is one, else built whole once (QKV)."""
+    cache: dict = {}
+
+    def rows(site: Site, first: int, count: int, shape: tuple):
+        def produce():
+            names = site.hf_names()
+            for index, name in enumerate(names):
+                span = site.mapping.row_range(index, site.shape[0])
+                if span and span[0] <= first and first + count <= span[0] + span[1]:
+                    block = weights.get_rows(name, first - span[0], first - span[0] + count)
+                    break
+            else:
+                if cache.get("site") != site:
+                    cache.update(site=site, tensor=site.mapping.to_megatron([weights.get(n) for n in names], model))
+                block = cache["tensor"][first:first + count]
+            block = block.to(target).reshape(shape)
+            bar.update(block.numel() * block.element_size())
+            return block
+        return produce
+
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------------
 # megatron -> HF
 
 def mcore_to_hf(load_dir, save_dir, iteration=None, model: ModelConfig | None = None,
                 dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, tokenizer_dir=None,
                 progress: bool = True) -> Path:
-    """Write the model weights of a megatron torch_dist checkpoint (saved at any TP/PP) as a HF
+    """Write the model weights of a megatron torch_dist checkpoint (saved at any TP/PP/EP) as a HF
     safetensors directory with config.json and tokenizer files. The model's config comes from, in
     order: ``model``; the config.json the checkpoint was converted from; its common state."""
     load_dir, save_dir = Path(load_dir), Path(save_dir)
@@ -289,22 +305,15 @@ def mcore_to_hf(load_dir, save_dir, iteration=None, model: ModelConfig | None = 
         model = _stored_model(checkpoint)
     architecture = raw_config["architectures"][0] if raw_config else hf_format.architecture_for(model)
     with mcore.single_process_groups():
-        plan = _plan(model, architecture, mcore.megatron_layout(model))
-        stored = mcore.tensors_metadata(checkpoint)
-        expected_shapes = _megatron_shapes(model)
-        for key in {entry.key for entry, _, _ in plan}:
-            if key not in stored:
-                raise ConversionError(f"{checkpoint} has no {key!r}: it is not a checkpoint of this model")
-            if tuple(stored[key].global_shape) != expected_shapes[key]:
-                raise ConversionError(f"{key} is {tuple(stored[key].global_shape)} in {checkpoint}, the "
-                                      f"model implies {expected_shapes[key]}: pass the right --model")
+        plan, sites = _plan(model, architecture, mcore.megatron_layout(model))
+        stored = _stored_tensors(checkpoint, plan)
         source_dtype = stored["embedding.word_embeddings.weight"].dtype
         target = _dtype(dtype) or source_dtype
         config = raw_config or hf_format.config_to_hf(model, architecture, target)
         if dtype is not None:  # transformers < 5 reads torch_dtype, 5 writes dtype
             name = str(target).removeprefix("torch.")
             config = {**config, "torch_dtype": name, **({"dtype": name} if "dtype" in config else {})}
-        hf_tensors = _hf_tensors(model, architecture)
+        hf_tensors = _hf_tensors(model, sites)
         shards = _shard(hf_tensors, target, max_shard_bytes)
         partial = save_dir.with_name(f".{save_dir.name}.partial-{os.getpid()}")
         shutil.rmtree(partial, ignore_errors=True)
@@ -322,6 +331,19 @@ def mcore_to_hf(load_dir, save_dir, iteration=None, model: ModelConfig | None = 
             shutil.rmtree(partial, ignore_errors=True)
             raise
     return save_dir
+
+
+def _stored_tensors(checkpoint: Path, plan: list[tuple]) -> dict:
+    """The checkpoint's tensor metadata, once every tensor the model has is checked to be there in the
+    model's global shape (a checkpoint of another model is refused before anything is written)."""
+    stored = mcore.tensors_metadata(checkpoint)
+    for entry in {entry.key: entry for entry, _ in plan}.values():
+        if entry.key not in stored:
+            raise ConversionError(f"{checkpoint} has no {entry.key!r}: it is not a checkpoint of this model")
+        if tuple(stored[entry.key].global_shape) != tuple(entry.global_shape):
+            raise ConversionError(f"{entry.key} is {tuple(stored[entry.key].global_shape)} in {checkpoint}, the "
+                                  f"model implies {tuple(entry.global_shape)}: pass the right --model")
+    return stored
 
 
 def _stored_model(checkpoint: Path) -> ModelConfig:
@@ -354,7 +376,7 @@ def _write_hf(checkpoint, model, hf_tensors, shards, out: Path, stored, dtype, b
     writers = iter(list(zip(files, shards)))
     reader = mcore.checkpoint_reader(checkpoint)
     writer, file_of, total, whole = None, {}, 0, {}
-    for name, shape, mapping, layer, index in hf_tensors:
+    for name, shape, site, index in hf_tensors:
         if writer is None or writer.complete:
             if writer is not None:
                 writer.close()
@@ -362,22 +384,19 @@ def _write_hf(checkpoint, model, hf_tensors, shards, out: Path, stored, dtype, b
             writer = SafetensorsStreamWriter(out / file, [(n, dtype, shape_of[n]) for n in names],
                                              metadata={"format": "pt"})
             file_of.update({n: file for n in names})
-        key = (hf_format.LAYER_PREFIX if layer is not None else "") + mapping.megatron
-        layer_axis = () if layer is None else (int(layer),)
-        global_shape = tuple(stored[key].global_shape)[len(layer_axis):]
-        span = mapping.row_range(index, global_shape[0])
+        source = stored[site.key].dtype
+        lead, rest = site.prefix, site.shape[1:]
+        span = site.mapping.row_range(index, site.shape[0])
         if span is not None:  # a row range of the megatron tensor: copied over in blocks
-            for start, count in _row_blocks((span[1], *global_shape[1:]), stored[key].dtype):
-                offset = layer_axis + (span[0] + start,) + (0,) * (len(global_shape) - 1)
-                region = (1,) * len(layer_axis) + (count, *global_shape[1:])
-                block = mcore.read_regions(reader, {key: (offset, region, stored[key].dtype)})[key]
-                writer.write(name, block.reshape(count, *global_shape[1:]).to(dtype))
+            for start, count in _row_blocks((span[1], *rest), source):
+                region = (lead + (span[0] + start,) + (0,) * len(rest), (1,) * len(lead) + (count, *rest), source)
+                block = mcore.read_regions(reader, {site.key: region})[site.key]
+                writer.write(name, block.reshape(count, *rest).to(dtype))
         else:  # rows scattered over the megatron tensor (QKV): read it whole once for its parts
-            if whole.get("key") != (key, layer):
-                offset = layer_axis + (0,) * len(global_shape)
-                tensor = mcore.read_regions(reader, {key: (offset, (1,) * len(layer_axis) + global_shape,
-                                                           stored[key].dtype)})[key]
-                whole = {"key": (key, layer), "parts": mapping.to_hf(tensor.reshape(global_shape), model)}
+            if whole.get("site") != site:
+                region = (lead + (0,) * len(site.shape), (1,) * len(lead) + site.shape, source)
+                tensor = mcore.read_regions(reader, {site.key: region})[site.key]
+                whole = {"site": site, "parts": site.mapping.to_hf(tensor.reshape(site.shape), model)}
             writer.write(name, whole["parts"][index].to(dtype))
         nbytes = _nbytes(shape, dtype)
         total += nbytes

@@ -37,6 +37,7 @@ def transformer_config(model: ModelConfig, **overrides) -> TransformerConfig:
         ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=gated,
@@ -81,6 +82,7 @@ def _moe_settings(model: ModelConfig) -> dict:
         moe_router_pre_softmax=model.moe_router_pre_softmax,
         moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
         moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
     )
@@ -128,7 +130,8 @@ def make_model_provider(model: ModelConfig | str, **config_overrides):
 # Megatron-LM argument name -> ModelConfig field, for the arguments that carry over unchanged.
 _ARG_FIELDS = {
     "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
-    "num_attention_heads": "num_attention_heads", "max_position_embeddings": "max_position_embeddings",
+    "num_attention_heads": "num_attention_heads", "kv_channels": "kv_channels",
+    "max_position_embeddings": "max_position_embeddings",
     "seq_length": "seq_length", "normalization": "normalization", "norm_epsilon": "norm_epsilon",
     "position_embedding_type": "position_embedding", "rotary_base": "rotary_base",
     "num_experts": "num_experts", "moe_ffn_hidden_size": "moe_ffn_hidden_size",

@@ -1,10 +1,11 @@
 """Check a conversion: the same token ids through the Hugging Face model and through megatron-core loaded
 from the converted checkpoint, on CPU in float32; prints the largest absolute logit difference.
 
-    python -m models.verify --hf-dir D [--load O] [--tp N] [--pp M]
+    python -m models.verify --hf-dir D [--load O] [--tp N] [--pp M] [--ep E]
 
-Without ``--load`` it converts ``--hf-dir`` itself first (into a temporary directory). With TP x PP > 1 it
-starts that many gloo ranks through torchrun. Exit status 0 when the difference is within ``--atol``,
+Without ``--load`` it converts ``--hf-dir`` itself first (into a temporary directory). With TP x PP x EP > 1
+it starts that many gloo ranks through torchrun (a MoE model's experts split over EP, the expert tensor
+parallel size being TP's, as megatron defaults it). Exit status 0 when the difference is within ``--atol``,
 1 when it is not, 2 on bad input. Needs ``transformers`` for the HF side (``pip install -e .[hf]``).
 """
 
@@ -70,7 +71,7 @@ def _rank_main(args) -> int:
 
     _, model = read_hf_config(Path(args.hf_dir))
     adapter.init_distributed()
-    parallel_state.initialize_model_parallel(args.tp, args.pp)
+    parallel_state.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep)
     model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config(model, perform_initialization=False)
     chunks = [build_model(model, config)]
@@ -81,15 +82,16 @@ def _rank_main(args) -> int:
     tokens = torch.randint(0, model.vocab_size, (args.batch_size, args.seq_length), generator=generator)
     ours = megatron_logits(chunks, tokens, model)
     status = 0
-    reporter = ours is not None and parallel_state.get_tensor_model_parallel_rank() == 0
+    reporter = (ours is not None and parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_data_parallel_rank() == 0)
     if reporter:
         reference = hf_logits(args.hf_dir, tokens)
         diff = (ours - reference).abs().max().item()
         ok = diff <= args.atol
-        print(f"max |logit difference| {diff:.3e} over {tuple(reference.shape)} logits "
-              f"(TP {args.tp}, PP {args.pp}; atol {args.atol:g}): {'OK' if ok else 'MISMATCH'}", flush=True)
+        print(f"max |logit difference| {diff:.3e} over {tuple(reference.shape)} logits (TP {args.tp}, PP "
+              f"{args.pp}, EP {args.ep}; atol {args.atol:g}): {'OK' if ok else 'MISMATCH'}", flush=True)
         status = 0 if ok else 1
-    verdict = torch.tensor([status])
+    verdict = torch.tensor([status], device=adapter.device.torch_device())  # NCCL/HCCL reduce device tensors
     torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -102,6 +104,7 @@ def main(argv=None) -> int:
     parser.add_argument("--load", help="the converted megatron checkpoint (default: convert --hf-dir now)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size to load at")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size to load at")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size to load at (MoE models)")
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--atol", type=float, default=1e-4, help="largest absolute logit difference accepted")
@@ -111,17 +114,20 @@ def main(argv=None) -> int:
     # float32 on CPU, in this command's processes: the comparison is about the weights
     os.environ.setdefault("ADAPTER_BACKEND", "cpu")
 
+    from pathlib import Path
+
     from .config import ModelConfigError
-    from .conversion import ConversionError, hf_to_mcore
+    from .conversion import ConversionError, hf_to_mcore, read_hf_config
 
     if "WORLD_SIZE" in os.environ:  # a rank started below
         return _rank_main(args)
     try:
+        read_hf_config(Path(args.hf_dir))[1].check_layout(args.tp, args.pp, ep=args.ep)
         with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
             if args.load is None:
-                hf_to_mcore(args.hf_dir, tmp, tp=args.tp, pp=args.pp, progress=False)
+                hf_to_mcore(args.hf_dir, tmp, tp=args.tp, pp=args.pp, ep=args.ep, progress=False)
                 argv += ["--load", tmp]
-            world = args.tp * args.pp
+            world = args.tp * args.pp * args.ep
             if world == 1:
                 return _rank_main(parser.parse_args(argv))
             return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -5,10 +5,11 @@
 
 hf-to-mcore writes a release checkpoint that the pretrain flow (and Megatron-LM) loads with
 ``--load <save-dir>``. torch_dist keeps every tensor whole (in chunks) and megatron reshards it when
-loading, so the checkpoint loads at any TP/PP; --tp/--pp are checked against the model and recorded.
-mcore-to-hf reads a checkpoint saved at any TP/PP (a converted one or one from training) and writes
+loading, so the checkpoint loads at any TP/PP/EP; --tp/--pp/--ep are checked against the model and recorded.
+mcore-to-hf reads a checkpoint saved at any TP/PP/EP (a converted one or one from training) and writes
 safetensors shards, config.json and the tokenizer files. Both stream: peak memory is about one layer plus
-one safetensors shard. Supported architectures: Qwen2ForCausalLM (Qwen2 / Qwen2.5) and LlamaForCausalLM.
+one safetensors shard. Supported architectures: Qwen2ForCausalLM (Qwen2 / Qwen2.5), LlamaForCausalLM,
+Qwen3ForCausalLM and Qwen3MoeForCausalLM.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main(argv=None) -> int:
     to_mcore.add_argument("--save-dir", required=True, help="megatron checkpoint directory (--load for training)")
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor parallel size it is meant for")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline parallel size it is meant for")
+    to_mcore.add_argument("--ep", type=int, default=1, help="expert parallel size it is meant for (MoE models)")
     to_hf = sub.add_parser("mcore-to-hf", help="megatron checkpoint -> Hugging Face directory")
     to_hf.add_argument("--load-dir", required=True, help="megatron checkpoint directory (as given to --save)")
     to_hf.add_argument("--save-dir", required=True, help="new Hugging Face model directory")
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     _release_freed_blocks_to_the_os()
     try:
         if args.direction == "hf-to-mcore":
-            path = hf_to_mcore(args.hf_dir, args.save_dir, tp=args.tp, pp=args.pp, dtype=args.dtype,
+            path = hf_to_mcore(args.hf_dir, args.save_dir, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
                                progress=not args.no_progress)
         else:
             path = mcore_to_hf(args.load_dir, args.save_dir, iteration=args.iteration,

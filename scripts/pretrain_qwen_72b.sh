@@ -26,37 +26,14 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PYTHON="${PYTHON:-python3}"
+# shellcheck source-path=SCRIPTDIR source=lib/cluster_launch.sh
+source "$ROOT/scripts/lib/cluster_launch.sh"
 
-: "${NNODES:=4}" "${NODE_RANK:=0}" "${NPROC_PER_NODE:=8}" "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=6000}"
-: "${TRAIN_ITERS:=2000}" "${SAVE_INTERVAL:=2000}" "${DIST_TIMEOUT_MINUTES:=30}"
+: "${NNODES:=4}"
+cluster_defaults      # the other environment defaults and the collective libraries' settings
+require_data_env      # DATA_PATH and TOKENIZER_MODEL, unless DRY_RUN=1; DATA_PATH split into DATA
 
-# Collective-library defaults, each only where the caller has not set it; a library reads only its own, so
-# one script serves both kinds of node.
-: "${CUDA_DEVICE_MAX_CONNECTIONS:=1}"       # megatron's TP / sequence-parallel overlap needs in-order launches
-: "${HCCL_CONNECT_TIMEOUT:=1800}"           # seconds for HCCL link set-up; the default 120 is short at 32 ranks
-: "${PYTORCH_NPU_ALLOC_CONF:=expandable_segments:True}"  # less fragmentation on Ascend, as the recipe
-: "${TORCH_NCCL_AVOID_RECORD_STREAMS:=1}"   # frees async collectives' tensors without recordStream delays
-: "${NCCL_IB_TIMEOUT:=19}"                  # InfiniBand retry timeout for multi-node NCCL, Megatron-LM's value
-export CUDA_DEVICE_MAX_CONNECTIONS HCCL_CONNECT_TIMEOUT PYTORCH_NPU_ALLOC_CONF TORCH_NCCL_AVOID_RECORD_STREAMS \
-    NCCL_IB_TIMEOUT
-COLLECTIVE_ENV=(CUDA_DEVICE_MAX_CONNECTIONS HCCL_CONNECT_TIMEOUT PYTORCH_NPU_ALLOC_CONF
-                TORCH_NCCL_AVOID_RECORD_STREAMS NCCL_IB_TIMEOUT)
-
-if [[ "${DRY_RUN:-0}" != 1 ]]; then
-    missing=()
-    [[ -n "${DATA_PATH:-}" ]] || missing+=("DATA_PATH (dataset prefix)")
-    [[ -n "${TOKENIZER_MODEL:-}" ]] || missing+=("TOKENIZER_MODEL (Hugging Face tokenizer directory)")
-    if ((${#missing[@]})); then
-        joined="$(printf '%s, ' "${missing[@]}")"
-        echo "error: set ${joined%, } before launching, or DRY_RUN=1 to only print the command and plan" >&2
-        exit 2
-    fi
-fi
-
-read -r -a DATA <<< "${DATA_PATH:-UNSET_DATA_PATH}"
-read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
-
+# shellcheck disable=SC2054  # "--split 100,0,0" is one word, its commas are no array separators
 ARGS=(
     --model qwen2.5-72b
     --tensor-model-parallel-size 8
@@ -95,43 +72,6 @@ ARGS=(
     --log-interval 1
     --distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES"
 )
-[[ -z "${CKPT_LOAD_DIR:-}" ]] || ARGS+=(--load "$CKPT_LOAD_DIR")
-[[ -z "${CKPT_SAVE_DIR:-}" ]] || ARGS+=(--save "$CKPT_SAVE_DIR" --save-interval "$SAVE_INTERVAL")
-[[ -z "${TENSORBOARD_DIR:-}" ]] || ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
-ARGS+=("${EXTRA[@]}")
 
-SCRIPT="$ROOT/scripts/pretrain_gpt.py"
-LAUNCH=(torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE"
-        --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$SCRIPT" "${ARGS[@]}")
-
-# The plan parses the same argument list, so it also refuses a layout the world size cannot hold, before any
-# device is taken.
-plan() {
-    PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m adapter.training.memory_plan \
-        --world-size "$((NNODES * NPROC_PER_NODE))" "${ARGS[@]}"
-}
-
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-    echo "environment:"
-    for name in "${COLLECTIVE_ENV[@]}"; do
-        printf '    %s=%q\n' "$name" "${!name}"
-    done
-    echo "command (DRY_RUN=1: not launched):"
-    # an option and its values per line, quoted where the shell needs it: the block pastes back into a shell
-    quote() { if [[ "$1" =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then printf '%s' "$1"; else printf '%q' "$1"; fi; }
-    line="${LAUNCH[0]}"
-    for arg in "${LAUNCH[@]:1}"; do
-        if [[ "$arg" == -* || "$arg" == "$SCRIPT" ]]; then
-            printf '%s \\\n' "$line"
-            line="    $(quote "$arg")"
-        else
-            line+=" $(quote "$arg")"
-        fi
-    done
-    printf '%s\n\n' "$line"
-    plan
-    exit 0
-fi
-
-plan
-exec "${LAUNCH[@]}"
+# + checkpoints, tensorboard and EXTRA_ARGS; DRY_RUN=1: print and exit, else the plan, then torchrun
+launch_or_dry_run "${ARGS[@]}"

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The tiny Qwen on any machine: prepares the shipped sample corpus (a 512-piece sentencepiece model trained
 # on it, then Megatron .bin/.idx), and trains qwen2.5-tiny with TP 2 x PP 2 on 4 processes (gloo on a CPU;
-# NCCL or HCCL where there are devices), evaluating as it goes and saving at the end. MODEL=gpt-tiny-moe (or
-# any MoE model of models.names()) trains the Mixture-of-Experts flavor instead: PP 2, the experts over EP 2
-# (the rest data parallel over 2), megatron's grouped experts and all-to-all dispatcher, aux loss 1e-2.
+# NCCL or HCCL where there are devices), evaluating as it goes and saving at the end. MODEL=qwen3-tiny trains
+# the Qwen3 flavor the same way (heads of their own size, QK-norm). MODEL=qwen3-moe-tiny (or any MoE model of
+# models.names(), such as gpt-tiny-moe) trains a Mixture of Experts instead: PP 2, the experts over EP 2
+# (the rest data parallel over 2), megatron's grouped experts and all-to-all dispatcher, and the router's
+# load-balancing loss at the model's published coefficient (qwen3-moe-tiny's 1e-3, as Qwen3-MoE's), or 1e-2
+# (Megatron-LM's suggested start) for a model published without one.
 #
-#   bash scripts/pretrain_qwen_tiny.sh                      # 300 iterations into ./qwen-tiny-run
-#   EXIT_INTERVAL=150 bash scripts/pretrain_qwen_tiny.sh    # stop (and save) at 150 ...
-#   bash scripts/pretrain_qwen_tiny.sh                      # ... and this run resumes there
-#   MODEL=gpt-tiny-moe bash scripts/pretrain_qwen_tiny.sh   # the MoE model into ./gpt-tiny-moe-run
+#   bash scripts/pretrain_qwen_tiny.sh                        # 300 iterations into ./qwen-tiny-run
+#   EXIT_INTERVAL=150 bash scripts/pretrain_qwen_tiny.sh      # stop (and save) at 150 ...
+#   bash scripts/pretrain_qwen_tiny.sh                        # ... and this run resumes there
+#   MODEL=qwen3-moe-tiny bash scripts/pretrain_qwen_tiny.sh   # the MoE model into ./qwen3-moe-tiny-run
 #
 # Environment (default): MODEL (qwen2.5-tiny), OUTPUT_DIR (./qwen-tiny-run, ./MODEL-run for another model:
 # data, checkpoints, tensorboard), TRAIN_ITERS (300), EVAL_INTERVAL (50), EXIT_INTERVAL (none), PYTHON
@@ -23,11 +26,15 @@ PYTHON="${PYTHON:-python3}"
 if [[ "$MODEL" == qwen2.5-tiny ]]; then : "${OUTPUT_DIR:=qwen-tiny-run}"; else : "${OUTPUT_DIR:=$MODEL-run}"; fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # 4 processes share the cores: one thread each
 
-# a MoE model (the named config has experts): PP 2 x EP 2; otherwise TP 2 x PP 2 with sequence parallelism
-if PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c \
-        "import sys, models; sys.exit(models.get(sys.argv[1]).num_experts is None)" "$MODEL" 2>/dev/null; then
+# a MoE model (the named config has experts; this prints its aux-loss coefficient): PP 2 x EP 2; otherwise
+# (or a name that is no model, which pretrain_gpt.py then refuses) TP 2 x PP 2 with sequence parallelism
+AUX_LOSS_COEFF="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c "import sys, models
+model = models.get(sys.argv[1])
+if model.num_experts is not None:
+    print(model.moe_aux_loss_coeff or 1e-2)" "$MODEL" 2>/dev/null || true)"
+if [[ -n "$AUX_LOSS_COEFF" ]]; then
     LAYOUT=(--pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --moe-grouped-gemm
-            --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2)
+            --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff "$AUX_LOSS_COEFF")
 else
     LAYOUT=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel)
 fi

@@ -19,12 +19,13 @@ def _tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(7))
 
 
-def _model(model, tp: int, pp: int, seed: int = 0, initialise: bool = False) -> list:
-    adapter.init_distributed()
-    parallel_state.initialize_model_parallel(tp, pp)
+def _model(model, tp: int, pp: int, seed: int = 0, initialise: bool = False, ep: int = 1, **config) -> list:
+    if not torch.distributed.is_initialized():
+        adapter.init_distributed()
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    provider = make_model_provider(model, perform_initialization=initialise)
+    provider = make_model_provider(model, perform_initialization=initialise, **config)
     chunk = provider(pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
     return [chunk.eval()]
@@ -46,14 +47,29 @@ def megatron_logits_from(model, load_dir: str, tp: int, pp: int):
     return logits
 
 
+def megatron_logits_at_layouts(model, load_dir: str, layouts: list[tuple[int, int, int]]) -> list:
+    """This rank's full logits (None off the last stage) after loading ``load_dir`` at each (TP, PP, EP) of
+    ``layouts`` in turn, on one set of ranks: megatron's groups are rebuilt between layouts."""
+    out = []
+    for tp, pp, ep in layouts:
+        chunks = _model(model, tp, pp, ep=ep)
+        load_model_weights(chunks, load_dir)
+        out.append(megatron_logits(chunks, _tokens(model.vocab_size), model))
+        parallel_state.destroy_model_parallel()
+    _finish()
+    return out
+
+
 def hf_logits_of(hf_dir: str, vocab: int) -> torch.Tensor:
     return hf_logits(hf_dir, _tokens(vocab))
 
 
-def save_like_training(model, save_dir: str, tp: int, pp: int, iteration: int = 100):
-    """Random weights at TP x PP saved by megatron's dist_checkpointing (as a training run saves them);
-    returns this rank's logits."""
-    chunks = _model(model, tp, pp, seed=3, initialise=True)
+def save_like_training(model, save_dir: str, tp: int, pp: int, iteration: int = 100, ep: int = 1,
+                       config: dict | None = None):
+    """Random weights at TP x PP (x EP) saved by megatron's dist_checkpointing (as a training run saves
+    them; ``config``: TransformerConfig settings such as the flow's grouped experts); returns this rank's
+    logits."""
+    chunks = _model(model, tp, pp, seed=3, initialise=True, ep=ep, **(config or {}))
     with torch.no_grad():  # norms start at 1: perturb them so a misplaced norm shows
         for name, p in chunks[0].named_parameters():
             if "norm" in name:

@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 
 # name -> (architecture, config overrides): GQA 2:1 untied with QKV bias (Qwen2.5 7B-72B style),
-# GQA 8:1 tied (two groups, so TP2 splits them) (Qwen2.5 0.5B-3B style), and a Llama (no biases)
+# GQA 8:1 tied (two groups, so TP2 splits them) (Qwen2.5 0.5B-3B style), a Llama (no biases), and Qwen3:
+# heads of their own size (not hidden / heads), QK-norm, tied and untied, GQA 1:1 and 4:1, and the MoE with
+# every layer sparse (top-2 renormalised) or one layer dense (top-2 not renormalised)
 TINY = {
     "qwen-gqa2-untied": ("Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
                                                   tie_word_embeddings=False)),
@@ -16,6 +18,16 @@ TINY = {
                                                 tie_word_embeddings=True)),
     "llama-gqa2": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
                                             tie_word_embeddings=False)),
+    "qwen3-gqa1-tied": ("Qwen3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                                                 tie_word_embeddings=True)),
+    "qwen3-gqa4-untied": ("Qwen3ForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=24,
+                                                   tie_word_embeddings=False)),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              norm_topk_prob=True, tie_word_embeddings=False)),
+    "qwen3-moe-dense-layer": ("Qwen3MoeForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=4, head_dim=32, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=True)),
 }
 TOKENIZER_CONFIG = {"model_max_length": 512, "tokenizer_class": "PreTrainedTokenizerFast"}
 
@@ -24,8 +36,7 @@ def save_tiny(name: str, directory: Path, seed: int = 0, dtype=torch.float32) ->
     import transformers
 
     architecture, overrides = TINY[name]
-    family = "Qwen2" if architecture.startswith("Qwen2") else "Llama"
-    config = getattr(transformers, f"{family}Config")(
+    config = getattr(transformers, architecture).config_class(
         vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
         max_position_embeddings=512, rope_theta=1e6, rms_norm_eps=1e-6, **overrides)
     torch.manual_seed(seed)

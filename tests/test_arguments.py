@@ -46,6 +46,9 @@ REFUSED = [
     ([*TINY, "--save-interval", "5"], 2, "--save-interval needs --save"),
     ([*TINY, "--tokenizer-type", "GPTSentencePieceTokenizer"], 2,
      "--tokenizer-type GPTSentencePieceTokenizer needs --tokenizer-model"),
+    ([*TINY, "--kv-channels", "0"], 2, "--kv-channels 0: must be positive"),
+    ([*BARE, "--num-attention-heads", "3"], 2, "hidden_size=64 is not divisible by num_attention_heads=3: set "
+                                                "kv_channels"),
 ]
 
 
@@ -59,6 +62,19 @@ def assert_refused(argv: list[str], world: int, message: str) -> None:
 @pytest.mark.parametrize("argv, world, message", REFUSED, ids=[m[:40] for _, _, m in REFUSED])
 def test_each_refusal_names_the_value_and_the_fix(argv, world, message):
     assert_refused(argv, world, message)
+
+
+def test_a_named_qwen3_carries_its_head_size_and_qk_norm_and_kv_channels_sets_one():
+    """Qwen3's heads are not hidden / heads wide (qwen3-tiny: 4 of 32 in a hidden size of 64); Megatron-LM's
+    --kv-channels sets the head size over a named model or bare arguments, as --qk-layernorm the QK-norm."""
+    import models
+
+    qwen3 = validate_args(parse_args(["--model", "qwen3-tiny", *BASE]), 2).model_config
+    assert qwen3 == models.get("qwen3-tiny") and (qwen3.head_dim, qwen3.qk_layernorm) == (32, True)
+    wider = validate_args(parse_args(["--model", "qwen2.5-tiny", *BASE, "--kv-channels", "32", "--qk-layernorm"]), 2)
+    assert wider.model_config == models.get("qwen2.5-tiny", kv_channels=32, qk_layernorm=True)
+    bare = validate_args(parse_args([*BARE, "--num-attention-heads", "3", "--kv-channels", "16"]), 2).model_config
+    assert (bare.head_dim, bare.qk_layernorm) == (16, False)
 
 
 def test_num_micro_batches_is_global_over_micro_times_dp():

@@ -1,6 +1,7 @@
 """Hugging Face <-> megatron conversion: logits after conversion equal HF's at TP1, TP2 and TP2 x PP2
-(real gloo ranks), HF -> mcore -> HF is bit-exact, a checkpoint megatron saved at TP2 x PP2 comes back at
-TP1, and bad input is one clear error that leaves nothing half-written."""
+(real gloo ranks; Qwen3-MoE also at EP2 and EP2 x TP2), HF -> mcore -> HF is bit-exact, checkpoints megatron
+saved at TP2 x PP2 and at EP2 x TP2 come back at TP1, and bad input is one clear error that leaves nothing
+half-written."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 import models
 from models import checkpoint as mcore
 from models.conversion import ConversionError, hf_to_mcore, mcore_to_hf, read_hf_config
-from tests.conversion_ranks import hf_logits_of, megatron_logits_from, save_like_training
+from tests.conversion_ranks import (hf_logits_of, megatron_logits_at_layouts, megatron_logits_from,
+                                    save_like_training)
 from tests.distributed import ROOT, run_ranks
 from tests.hf_models import TINY, TOKENIZER_CONFIG, hf_state, save_tiny
 
@@ -34,37 +36,46 @@ def converted(tmp_path_factory):
     return out
 
 
-def _last_stage_logits(results: list) -> torch.Tensor:
+def _same_on_every_rank(results: list) -> torch.Tensor:
+    """The last stage's logits, which every rank there computed: equal to rounding (with EP a rank's
+    tokens meet other ranks' in its experts' GEMMs, whose blocking may differ)."""
     present = [r for r in results if r is not None]
     assert present, "no rank returned logits"
-    for other in present[1:]:  # every TP rank of the last stage holds the same gathered logits
-        assert torch.equal(other, present[0])
+    for other in present[1:]:
+        torch.testing.assert_close(other, present[0], rtol=0, atol=1e-6)
     return present[0]
 
 
-LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "tp2-pp2": (2, 2)}
+# (TP, PP, EP) on four ranks (the rest data parallel); EP needs experts
+DENSE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (2, 2, 1)]
+MOE_LAYOUTS = DENSE_LAYOUTS + [(1, 1, 2), (2, 1, 2)]
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", ["qwen-gqa2-untied", "qwen-gqa8-tied"])
-def test_megatron_logits_equal_hf_after_conversion(converted, name, layout):
+@pytest.mark.parametrize("name", list(TINY))
+def test_megatron_logits_equal_transformers_at_every_layout(converted, name):
+    """Every tiny model (Qwen2 with QKV bias, Llama, Qwen3 with heads of their own size and QK-norm, GQA 1:1
+    to 8:1, tied and untied; Qwen3-MoE with 4 and 6 experts, renormalised or not, one dense layer among the
+    sparse ones) loaded at each layout gives transformers' logits."""
     hf_dir, mcore_dir, model = converted[name]
-    tp, pp = LAYOUTS[layout]
-    ours = _last_stage_logits(run_ranks(tp * pp, megatron_logits_from, model, str(mcore_dir), tp, pp))
+    layouts = DENSE_LAYOUTS if model.num_experts is None else MOE_LAYOUTS
+    per_rank = run_ranks(4, megatron_logits_at_layouts, model, str(mcore_dir), layouts)
     reference = hf_logits_of(str(hf_dir), model.vocab_size)
-    assert ours.shape == reference.shape == (2, 24, 512)
-    assert (ours - reference).abs().max().item() < 1e-5
+    assert reference.shape == (2, 24, 512)
+    for i, layout in enumerate(layouts):
+        ours = _same_on_every_rank([logits[i] for logits in per_rank])
+        assert (ours - reference).abs().max().item() < 1e-5, f"(TP, PP, EP) = {layout}"
 
 
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_llama_logits_equal_hf_after_conversion_at_tp2(converted):
-    hf_dir, mcore_dir, model = converted["llama-gqa2"]
-    assert not model.add_qkv_bias
-    ours = _last_stage_logits(run_ranks(2, megatron_logits_from, model, str(mcore_dir), 2, 1))
-    assert (ours - hf_logits_of(str(hf_dir), model.vocab_size)).abs().max().item() < 1e-5
+def test_the_tiny_models_cover_what_qwen3_varies(converted):
+    models_ = {name: model for name, (_, _, model) in converted.items() if name.startswith("qwen3")}
+    assert all(m.head_dim * m.num_attention_heads != m.hidden_size and m.qk_layernorm for m in models_.values())
+    assert {m.num_attention_heads // m.num_query_groups for m in models_.values()} >= {1, 4}
+    assert {m.tie_embeddings for m in models_.values()} == {True, False}
+    moe = [m for m in models_.values() if m.num_experts]
+    assert min(m.num_experts for m in moe) >= 4 and {m.moe_router_pre_softmax for m in moe} == {True, False}
+    assert any(0 in m.moe_layer_pattern() for m in moe)
 
 
 @pytest.mark.parametrize("name", list(TINY))
@@ -80,8 +91,9 @@ def test_hf_to_mcore_to_hf_is_bit_exact(converted, tmp_path, name):
     assert json.loads((out / "tokenizer_config.json").read_text()) == TOKENIZER_CONFIG
 
 
-def test_bf16_weights_round_trip_bit_exact_and_cast_on_request(tmp_path):
-    hf_dir = save_tiny("qwen-gqa2-untied", tmp_path / "hf", dtype=torch.bfloat16)
+@pytest.mark.parametrize("name", ["qwen-gqa2-untied", "qwen3-moe-dense-layer"])
+def test_bf16_weights_round_trip_bit_exact_and_cast_on_request(tmp_path, name):
+    hf_dir = save_tiny(name, tmp_path / "hf", dtype=torch.bfloat16)
     hf_to_mcore(hf_dir, tmp_path / "mcore", progress=False)
     metadata = mcore.tensors_metadata(mcore.iteration_dir(tmp_path / "mcore"))
     assert {m.dtype for m in metadata.values()} == {torch.bfloat16}
@@ -108,27 +120,57 @@ def test_checkpoint_saved_at_tp2_pp2_converts_to_hf_and_back_to_tp1(tmp_path):
     """megatron's own TP2 x PP2 save -> HF -> megatron at TP1: the same logits on both layouts and in HF."""
     model = models.get("qwen2.5-tiny")
     trained = tmp_path / "trained"
-    before = _last_stage_logits(run_ranks(4, save_like_training, model, str(trained), 2, 2))
+    before = _same_on_every_rank(run_ranks(4, save_like_training, model, str(trained), 2, 2))
     with pytest.raises(ConversionError, match="does not say which model it holds.*pass --model NAME"):
         mcore_to_hf(trained, tmp_path / "unknown", progress=False)
     hf_dir = mcore_to_hf(trained, tmp_path / "hf", model=model, progress=False)
     assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     hf_to_mcore(hf_dir, tmp_path / "back", progress=False)
-    after = _last_stage_logits(run_ranks(1, megatron_logits_from, model, str(tmp_path / "back"), 1, 1))
+    after = _same_on_every_rank(run_ranks(1, megatron_logits_from, model, str(tmp_path / "back"), 1, 1))
     assert (after - before).abs().max().item() < 1e-5
     assert (hf_logits_of(str(hf_dir), model.vocab_size) - before).abs().max().item() < 1e-5
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+def test_checkpoint_saved_at_ep2_tp2_converts_to_hf_with_the_same_logits(tmp_path):
+    """Qwen3-MoE saved by megatron at EP2 x TP2 with the flow's grouped experts and all-to-all dispatcher:
+    written as HF (config.json built from the model, no original one), its logits equal megatron's in
+    transformers and back in megatron at TP1."""
+    model = models.get("qwen3-moe-tiny")
+    trained = tmp_path / "trained"
+    before = _same_on_every_rank(run_ranks(4, save_like_training, model, str(trained), 2, 1, 100, 2,
+                                           dict(moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")))
+    hf_dir = mcore_to_hf(trained, tmp_path / "hf", model=model, progress=False)
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["head_dim"] == 32
+    assert read_hf_config(hf_dir)[1].replace(seq_length=model.seq_length) == model  # a launch default, not HF's
+    assert (hf_logits_of(str(hf_dir), model.vocab_size) - before).abs().max().item() < 1e-5
+    hf_to_mcore(hf_dir, tmp_path / "back", progress=False)
+    after = _same_on_every_rank(run_ranks(1, megatron_logits_from, model, str(tmp_path / "back"), 1, 1))
+    assert (after - before).abs().max().item() < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_verify_command_reports_the_difference_and_exits_zero(converted):
-    hf_dir, mcore_dir, _ = converted["qwen-gqa2-untied"]
+    hf_dir, mcore_dir, _ = converted["qwen3-moe"]
     done = subprocess.run([sys.executable, "-m", "models.verify", "--hf-dir", str(hf_dir), "--load",
-                           str(mcore_dir), "--tp", "2", "--atol", "1e-5"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+                           str(mcore_dir), "--ep", "2", "--atol", "1e-5"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    line = next(line for line in done.stdout.splitlines() if line.startswith("max |logit difference|"))
-    assert float(line.split()[3]) < 1e-5 and line.endswith("OK")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("max |logit difference|")]
+    assert len(lines) == 1 and "(TP 1, PP 1, EP 2;" in lines[0], done.stdout  # one report, not one per DP rank
+    assert float(lines[0].split()[3]) < 1e-5 and lines[0].endswith("OK")
+
+
+@pytest.mark.slow
+def test_verify_command_refuses_expert_parallelism_for_a_dense_model(converted):
+    hf_dir, _, _ = converted["qwen3-gqa1-tied"]
+    done = subprocess.run([sys.executable, "-m", "models.verify", "--hf-dir", str(hf_dir), "--ep", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "expert parallel size 2 for a dense model" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.slow
@@ -167,6 +209,42 @@ def test_bad_hf_input_is_one_clear_error_and_writes_nothing(hf_copy, tmp_path, b
     with pytest.raises(ConversionError, match=re.escape(message)):
         hf_to_mcore(hf_copy, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def _fuse_experts(hf_dir):
+    """The experts as transformers 5 holds them in memory (one gate_up and one down tensor per layer), not
+    as checkpoints on the hub and save_pretrained store them (one tensor per expert)."""
+    from safetensors.torch import save_file
+
+    state = hf_state(hf_dir)
+    for layer in range(4):
+        names = [f"model.layers.{layer}.mlp.experts.{e}." for e in range(4)]
+        gate_up = [torch.cat([state.pop(n + "gate_proj.weight"), state.pop(n + "up_proj.weight")]) for n in names]
+        state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+        state[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([state.pop(n + "down_proj.weight")
+                                                                           for n in names])
+    save_file(state, hf_dir / "model.safetensors")
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda d: _edit_config(d, attention_bias=True), "Qwen3MoeForCausalLM with attention_bias"),
+    (lambda d: _edit_config(d, num_experts=None, num_local_experts=None), "without num_experts"),
+    (lambda d: _edit_config(d, num_experts_per_tok=5), "moe_router_topk=5 exceeds num_experts=4"),
+    (lambda d: _edit_config(d, head_dim=20), "config.json implies (160, 64)"),
+    (_fuse_experts, "holds each layer's experts fused (model.layers.0.mlp.experts.gate_up_proj), not one"),
+], ids=["attention-bias", "no-experts", "topk", "head-dim", "fused-experts"])
+def test_bad_qwen3_moe_input_is_one_clear_error(tmp_path, break_it, message):
+    hf_dir = save_tiny("qwen3-moe", tmp_path / "hf")
+    break_it(hf_dir)
+    with pytest.raises(ConversionError, match=re.escape(message)):
+        hf_to_mcore(hf_dir, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_ep_that_does_not_divide_the_experts_is_refused(tmp_path):
+    hf_dir = save_tiny("qwen3-moe", tmp_path / "hf")
+    with pytest.raises(ConversionError, match="expert parallel size 3 does not divide num_experts=4"):
+        hf_to_mcore(hf_dir, tmp_path / "out", ep=3, progress=False)
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused(hf_copy, tmp_path):

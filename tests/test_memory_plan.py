@@ -1,9 +1,12 @@
-"""The per-device memory plan against hand calculations, and the Qwen2.5-72B launcher's dry run."""
+"""The per-device memory plan against hand calculations (Qwen3's heads of their own size and QK-norm
+included), the model-FLOPs count behind TFLOP/s, and the launchers' dry runs (Qwen2.5-72B; Qwen3-8B,
+-30B-A3B and -235B-A22B)."""
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +15,7 @@ import pytest
 
 import models
 from adapter.training import memory_plan
+from adapter.training.arguments import parse_args, validate_args
 from adapter.training.memory_plan import PlanError, passes_in_flight, plan, plan_from_args
 from models.config import ModelConfig, ModelConfigError
 
@@ -70,10 +74,12 @@ def test_optimizer_shards_divide_by_data_parallel_size():
     assert bf16_grads.stages[0].grads == bf16_grads.stages[0].parameters * 2
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-tiny", "qwen2.5-0.5b", "gpt-tiny", "gpt-tiny-tied", "gpt-125m"])
+@pytest.mark.parametrize("name", models.names())
 def test_single_device_weights_are_the_whole_model(name):
+    """Every named config, Qwen3's heads of 128 against hidden / heads and QK-norm included."""
     model = models.get(name)
     small = dict(tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=1, seq_length=model.seq_length)
+    assert sum(s.parameters for s in plan(model, **small).stages) == model.num_parameters()
     assert plan(model, **small).stages[0].weights == model.num_parameters() * 2
     assert plan(model, **small, params_dtype="fp32").stages[0].weights == model.num_parameters() * 4
 
@@ -368,3 +374,125 @@ def test_cli_moe_world_size_error(capsys):
     assert memory_plan.main(["--world-size", "32", *MOE_ARGS, "--expert-model-parallel-size", "16"]) == 2
     assert capsys.readouterr().err.startswith(
         "error: world size 32 is not divisible by expert TP 1 x EP 16 x PP 4 = 64")
+
+
+# Qwen3-0.6B (huggingface.co/Qwen/Qwen3-0.6B-Base config.json): 16 heads of 128, 2048 wide against a hidden
+# size of 1024, 8 query groups, QK-norm, tied embeddings
+QWEN3_06B = models.get("qwen3-0.6b")
+
+
+def _qwen3_06b_layer_parameters() -> tuple[int, int]:
+    """By hand: (split over TP, whole) parameters of one Qwen3-0.6B layer. QKV rows (16 + 2 x 8) x 128, the
+    output projection 2048 -> 1024 (not 1024 x 1024), SwiGLU of 3072; two RMSNorms of 1024, two QK-norms
+    of 128."""
+    h, f, heads, groups, d = 1024, 3072, 16, 8, 128
+    split = (heads + 2 * groups) * d * h + heads * d * h + 3 * f * h
+    return split, 2 * h + 2 * d
+
+
+def test_qwen3_06b_is_the_published_size_by_hand():
+    split, whole = _qwen3_06b_layer_parameters()
+    by_hand = 28 * (split + whole) + 151936 * 1024 + 1024  # layers, tied embedding, final norm
+    single = plan(QWEN3_06B, tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=1, seq_length=4096)
+    assert single.stages[0].parameters == by_hand == QWEN3_06B.num_parameters() == 596_049_920
+    # TP 2 x PP 2: the layers' matrices and the (tied, so twice held) embedding halve, the norms stay whole
+    stages = plan(QWEN3_06B, tp=2, pp=2, dp=1, micro_batch_size=1, global_batch_size=2, seq_length=4096).stages
+    assert [s.parameters for s in stages] == [(14 * split + 151936 * 1024) // 2 + 14 * whole,
+                                              (14 * split + 151936 * 1024) // 2 + 14 * whole + 1024]
+
+
+@pytest.mark.parametrize("name, layout", [
+    ("qwen3-8b", dict(tp=2, pp=4)),
+    ("qwen3-32b", dict(tp=8, pp=8, vpp=2)),
+    ("qwen3-30b-a3b", dict(tp=1, pp=4)),
+    ("qwen3-235b-a22b", dict(tp=4, pp=2)),
+])
+def test_qwen3_tp_shares_and_stages_add_up_to_the_model(name, layout):
+    """Over TP ranks and pipeline stages (untied models: nothing held twice), every parameter once: all but
+    the norms, QK-norms and routers split over TP (the experts over expert TP, which defaults to TP)."""
+    model = models.get(name)
+    result = plan(model, **layout, dp=1, micro_batch_size=1, global_batch_size=16, seq_length=4096)
+    h, d = model.hidden_size, model.head_dim
+    whole = model.num_layers * (2 * h + 2 * d + (model.num_experts or 0) * h) + h  # and the final norm
+    assert (sum(s.parameters for s in result.stages) - whole) * layout["tp"] + whole == model.num_parameters()
+
+
+def _qwen3_layer_bytes(tokens: int, tp: int) -> float:
+    """By hand, one Qwen3-0.6B layer and micro-batch, flash attention, no dropout, sequence parallel: the
+    attention width is 16 x 128 = 2048, twice the hidden size."""
+    e, h, f, a, g, d = 2, 1024, 3072, 16, 8, 128
+    sequence_region = 4 * e * h  # two norm inputs, QKV and FC1 inputs
+    attention = e * (a * d + 2 * g * d) + e * a * d + 4 * a  # Q, K, V; the output (a x d wide); log-sum-exp
+    qk_norms = e * (a + g) * d + 4 * (a + g)  # the un-normed Q and K, each head's fp32 reciprocal RMS
+    mlp = 3 * e * f
+    return tokens * (sequence_region + attention + qk_norms + mlp) / tp
+
+
+def test_qwen3_activations_by_hand():
+    result = plan(QWEN3_06B, tp=2, pp=2, dp=1, micro_batch_size=2, global_batch_size=8, seq_length=4096)
+    assert [s.passes_in_flight for s in result.stages] == [2, 1]
+    for stage in result.stages:
+        assert stage.activations == round(stage.passes_in_flight * 14 * _qwen3_layer_bytes(2 * 4096, tp=2))
+    # QK-norm's inputs stay with selective recompute: it checkpoints core attention only
+    selective = plan(QWEN3_06B, tp=2, pp=2, dp=1, micro_batch_size=2, global_batch_size=8, seq_length=4096,
+                     recompute="selective").stages[1]
+    assert selective.activations == round(14 * (_qwen3_layer_bytes(2 * 4096, tp=2) - 2 * 4096 * 4 * 16 / 2))
+
+
+def test_model_flops_of_a_separate_head_size():
+    """PaLM's count: 6 x the matmul parameters a token passes through plus 12 x layers x seq x heads x
+    head size; Qwen3-0.6B's attention is 2048 wide, so the projection is 2048 x 1024 and the score and value
+    products 2048 wide. The 30B-A3B's tokens pass through 8 of its 128 experts."""
+    from adapter.training.training_log import model_flops_per_token
+
+    split, _ = _qwen3_06b_layer_parameters()
+    assert model_flops_per_token(QWEN3_06B, 4096) == 6 * (28 * split + 151936 * 1024) + 12 * 28 * 4096 * 2048
+    moe = models.get("qwen3-30b-a3b")
+    h, attention = 2048, (32 + 2 * 4) * 128 * 2048 + 32 * 128 * 2048
+    matmuls = 48 * (attention + 8 * 3 * 768 * h) + 151936 * h
+    assert model_flops_per_token(moe, 4096) == 6 * matmuls + 12 * 48 * 4096 * 32 * 128
+
+
+# the Qwen3 launchers: (script, its layout: TP, PP, EP, devices). The plan leaves out the runtime's own
+# memory (CANN / CUDA context and kernels' workspaces), communicator buffers and fragmentation: each layout
+# keeps 8 GiB of a 64 GB device for them.
+QWEN3_SCRIPTS = {
+    "qwen3-8b": ("pretrain_qwen3_8b.sh", dict(tp=2, pp=2, ep=1, devices=8)),
+    "qwen3-30b-a3b": ("pretrain_qwen3_30b_a3b.sh", dict(tp=1, pp=4, ep=4, devices=16)),
+    "qwen3-235b-a22b": ("pretrain_qwen3_235b_a22b.sh", dict(tp=2, pp=2, ep=64, devices=256)),
+}
+DEVICE_BYTES, RESERVE = 64 * 10**9, 8 * 2**30
+
+
+def _printed_command(out: str) -> list[str]:
+    """The DRY_RUN block after 'command (...):' up to the blank line, which pastes back into a shell."""
+    block = out.split("command (DRY_RUN=1: not launched):\n", 1)[1].split("\n\n", 1)[0]
+    return shlex.split(block.replace("\\\n", " "))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(QWEN3_SCRIPTS))
+def test_qwen3_dry_run_prints_a_command_the_flow_accepts_and_a_plan_that_fits(tmp_path, name):
+    script, layout = QWEN3_SCRIPTS[name]
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"corpus{suffix}").touch()
+    env = _script_env(tmp_path, DRY_RUN="1", DATA_PATH=str(tmp_path / "corpus"), TOKENIZER_MODEL=str(tmp_path))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / script)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "torchrun-args").exists()
+    command = _printed_command(done.stdout)
+    argv = command[command.index(str(ROOT / "scripts" / "pretrain_gpt.py")) + 1:]
+    world = int(command[command.index("--nnodes") + 1]) * int(command[command.index("--nproc_per_node") + 1])
+    args = validate_args(parse_args(argv), world)  # every argument is one the flow takes, and they fit together
+    assert (args.model, args.seq_length, world) == (name, 4096, layout["devices"])
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.expert_model_parallel_size) == (layout["tp"], layout["pp"], layout["ep"])
+    expected, _ = plan_from_args(["--world-size", str(world), *argv])
+    total = next(line for line in done.stdout.splitlines() if line.startswith("total (GiB)"))
+    assert total.split()[2:] == [f"{s.gib()['total']:.2f}" for s in expected.stages]
+    peak = re.search(r"needs ([\d.]+) GiB per device \(stage (\d+)\)", done.stdout)
+    assert (float(peak.group(1)), int(peak.group(2))) == (round(expected.peak.total / 2**30, 1), expected.peak.stage)
+    assert expected.peak.total < DEVICE_BYTES - RESERVE
+    if layout["ep"] > 1:
+        assert f"{128 // layout['ep']} of 128 per device" in done.stdout

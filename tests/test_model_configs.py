@@ -41,6 +41,58 @@ def test_qwen25_named_config_equals_the_published_config_json(size):
     assert models.get(f"qwen2.5-{size}") == config_from_hf(_published_config_json(size))
 
 
+# The fields of each Qwen3 config.json that define the network (module docstring of models/qwen3.py: the base
+# model's where one is published): (layers, hidden, intermediate, heads, kv heads, max positions, tied), and
+# for the MoE ones (experts, experts per token, moe_intermediate_size). Every one: head_dim 128, vocab 151936,
+# rope_theta 1e6, rms_norm_eps 1e-6, attention_bias false; MoE: norm_topk_prob true, decoder_sparse_step 1,
+# mlp_only_layers [], router_aux_loss_coef 0.001.
+PUBLISHED_QWEN3 = {
+    "0.6b": ((28, 1024, 3072, 16, 8, 32768, True), None),
+    "1.7b": ((28, 2048, 6144, 16, 8, 32768, True), None),
+    "4b": ((36, 2560, 9728, 32, 8, 32768, True), None),
+    "8b": ((36, 4096, 12288, 32, 8, 32768, False), None),
+    "14b": ((40, 5120, 17408, 40, 8, 32768, False), None),
+    "32b": ((64, 5120, 25600, 64, 8, 40960, False), None),
+    "30b-a3b": ((48, 2048, 6144, 32, 4, 32768, False), (128, 8, 768)),
+    "235b-a22b": ((94, 4096, 12288, 64, 4, 40960, False), (128, 8, 1536)),
+}
+
+
+def _published_qwen3_config_json(size: str) -> dict:
+    (layers, hidden, ffn, heads, kv, positions, tied), experts = PUBLISHED_QWEN3[size]
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+              "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": hidden,
+              "intermediate_size": ffn, "max_position_embeddings": positions, "max_window_layers": layers,
+              "num_attention_heads": heads, "num_hidden_layers": layers, "num_key_value_heads": kv,
+              "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+              "tie_word_embeddings": tied, "torch_dtype": "bfloat16", "use_sliding_window": False,
+              "vocab_size": 151936}
+    if experts:
+        config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", decoder_sparse_step=1,
+                      mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False, router_aux_loss_coef=0.001,
+                      num_experts=experts[0], num_experts_per_tok=experts[1], moe_intermediate_size=experts[2])
+    return config
+
+
+@pytest.mark.parametrize("size", list(PUBLISHED_QWEN3))
+def test_qwen3_named_config_equals_the_published_config_json(size):
+    assert models.get(f"qwen3-{size}") == config_from_hf(_published_qwen3_config_json(size))
+
+
+def test_qwen3_sizes_are_the_published_ones():
+    """The counts Qwen publishes: 0.6B exactly (596,049,920 with tied embeddings), and the model cards' 30.5B
+    (3.3B active) and 235B (22B active), active being all but the 120 experts of 128 a token skips."""
+    assert models.get("qwen3-0.6b").num_parameters() == 596_049_920
+    for name, total, active, rounding in (("qwen3-30b-a3b", 30.5, 3.3, 0.1), ("qwen3-235b-a22b", 235, 22, 0.5)):
+        model = models.get(name)
+        moe = model.moe_parameters()
+        routed = model.num_experts * model.mlp_parameters(model.expert_ffn_hidden_size)
+        per_layer_active = moe - routed + routed * model.moe_router_topk // model.num_experts
+        assert model.num_parameters() / 1e9 == pytest.approx(total, abs=rounding)
+        assert (model.num_parameters() - model.num_layers * (moe - per_layer_active)) / 1e9 == pytest.approx(
+            active, abs=rounding)
+
+
 def test_qwen25_72b_is_the_recipe_model():
     m = models.get("qwen2.5-72b")
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups) == (
@@ -70,7 +122,7 @@ def _megatron_parameters(model) -> int:
 
 def _hf_parameters(model) -> int:
     transformers = pytest.importorskip("transformers")
-    if model.num_experts is not None:
+    if model.num_experts is not None and not model.qk_layernorm:
         from tests.test_moe_flow import _hf_moe
 
         shared = model.moe_shared_expert_intermediate_size is not None
@@ -83,7 +135,7 @@ def _hf_parameters(model) -> int:
             tie_word_embeddings=model.tie_embeddings)
         cls = transformers.GPT2LMHeadModel
     else:
-        hf = config_to_hf(model, "Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM")
+        hf = config_to_hf(model)  # Qwen2, Llama, Qwen3 or Qwen3-MoE
         cls = getattr(transformers, hf["architectures"][0])
         config = cls.config_class(**{k: v for k, v in hf.items() if k != "architectures"})
     with torch.device("meta"):
@@ -107,8 +159,8 @@ def test_published_sizes_are_what_the_names_say():
 
 
 def test_unknown_model_names_the_known_ones():
-    with pytest.raises(ModelConfigError, match="unknown model 'qwen3-8b': known models are gpt-tiny, "):
-        models.get("qwen3-8b")
+    with pytest.raises(ModelConfigError, match="unknown model 'qwen4-8b': known models are gpt-tiny, "):
+        models.get("qwen4-8b")
 
 
 def test_overrides_apply_and_unknown_settings_are_refused():
@@ -212,12 +264,17 @@ def test_moe_config_from_megatron_style_args():
         moe_router_topk_scaling_factor=2.0, moe_router_enable_expert_bias=True, qk_layernorm=True)
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny-moe", "gpt-tiny-moe-shared"])
-def test_hugging_face_conversion_refuses_moe_models_by_name(name):
-    """No HF mapping covers experts yet: a conversion names what it cannot map instead of writing a dense
-    model without them."""
+def test_hugging_face_conversion_refuses_what_no_architecture_holds():
+    """Experts convert as Qwen3-MoE only (QK-norm, no QKV bias, routed experts, a softmax router): anything
+    else is named, not written out without its experts or with a router transformers would run otherwise."""
     from models import hf
 
-    for architecture in hf.ARCHITECTURES.values():
+    for architecture in ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM"):
         with pytest.raises(hf.UnsupportedCheckpoint, match="num_experts=8"):
-            architecture.mappings(models.get(name))
+            hf.ARCHITECTURES[architecture].mappings(models.get("gpt-tiny-moe"))
+    with pytest.raises(hf.UnsupportedCheckpoint, match="Qwen3-MoE\\) needs QK-norm and no QKV bias"):
+        hf.architecture_for(models.get("gpt-tiny-moe"))
+    with pytest.raises(hf.UnsupportedCheckpoint, match="moe_shared_expert_intermediate_size=128.*routed experts"):
+        config_to_hf(models.get("gpt-tiny-moe-shared", qk_layernorm=True))
+    with pytest.raises(hf.UnsupportedCheckpoint, match="does not fit Qwen2ForCausalLM: it is a Qwen3ForCausalLM"):
+        config_to_hf(models.get("qwen3-tiny"), "Qwen2ForCausalLM")

@@ -52,6 +52,9 @@ REFUSED = [
     ([*MOE, "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01"], 2,
      "--moe-router-load-balancing-type aux_loss seq_aux_loss with --moe-aux-loss-coeff 0.01: give one coefficient"),
     ([*MOE, "--moe-aux-loss-coeff", "-0.01"], 2, "--moe-aux-loss-coeff -0.01: must be zero or more"),
+    (["--model", "qwen3-moe-tiny", *BASE, "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], 2,
+     "--moe-router-load-balancing-type aux_loss seq_aux_loss with the model's one aux-loss coefficient (0.001): "
+     "give one coefficient per type"),
     ([*DENSE, "--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size for a dense model: pass "
                                                         "--num-experts N (or a MoE --model), or drop it"),
     ([*DENSE, "--moe-aux-loss-coeff", "0.01", "--moe-grouped-gemm"], 2,
@@ -126,6 +129,23 @@ def test_moe_arguments_reach_the_transformer_config(one_rank):
         moe_shared_expert_overlap=True, moe_router_bias_update_rate=0.01, moe_permute_fusion=True,
         expert_model_parallel_size=1, expert_tensor_parallel_size=1)
     assert {name: getattr(config, name) for name in expected} == expected
+
+
+@pytest.mark.parametrize("name, given, coeff", [
+    ("qwen3-30b-a3b", [], 1e-3), ("qwen3-moe-tiny", [], 1e-3), ("gpt-tiny-moe", [], 0.0),
+    ("qwen3-moe-tiny", ["--moe-aux-loss-coeff", "0.02"], 0.02), ("qwen3-moe-tiny", ["--moe-aux-loss-coeff", "0"], 0.0),
+    ("qwen3-moe-tiny", ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff",
+                        "0.01", "0.02"], [0.01, 0.02]),
+], ids=["qwen3-30b-a3b", "qwen3-moe-tiny", "published without", "given", "given 0", "one per type"])
+def test_the_aux_loss_coefficient_is_the_named_models_unless_given(one_rank, name, given, coeff):
+    """Without --moe-aux-loss-coeff a named MoE model trains with the coefficient it was published with
+    (Qwen3-MoE's router_aux_loss_coef, 1e-3; a model without one, 0 as Megatron-LM's default); a given one wins."""
+    from adapter.training.pretrain import transformer_config_overrides
+    from models.provider import transformer_config
+
+    args = validate_args(parse_args(["--model", name, *BASE, *given]), 1)
+    assert args.moe_aux_loss_coeff == coeff
+    assert transformer_config(args.model_config, **transformer_config_overrides(args)).moe_aux_loss_coeff == coeff
 
 
 def _megatron_parameters(model, **settings) -> int:

@@ -12,14 +12,15 @@ import sys
 
 import pytest
 
+from tests.conftest import DOUBLES
 from tests.distributed import ROOT, run_ranks
-from tests.pretrain_ranks import run_pretrain
+from tests.pretrain_ranks import run_pretrain, run_pretrain_printing
 
 pytestmark = pytest.mark.multiproc
 
 
-def _argv(iters: int, tp: int = 1, pp: int = 1, *extra: str) -> list[str]:
-    return ["--model", "qwen2.5-tiny", "--tensor-model-parallel-size", str(tp),
+def _argv(iters: int, tp: int = 1, pp: int = 1, *extra: str, model: str = "qwen2.5-tiny") -> list[str]:
+    return ["--model", model, "--tensor-model-parallel-size", str(tp),
             "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", "2", "--global-batch-size", "8",
             "--seq-length", "32", "--train-iters", str(iters), "--lr", "3e-3", "--min-lr", "3e-4",
             "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data", "--log-interval", "1",
@@ -81,13 +82,33 @@ def test_interleaved_pipeline_trains_and_resumes_bit_exactly(tmp_path):
     assert resumed == {i: reference[i] for i in range(4, 7)}
 
 
+# the npu kernel provider on the CPU, over tests/doubles' torch_npu (as tests/test_kernel_models.py runs it)
+NPU_DOUBLE = {"ADAPTER_BACKEND": "cpu", "ADAPTER_KERNELS": "npu", "PYTHONPATH": str(DOUBLES)}
+
+
+@pytest.mark.slow
+def test_qwen3_trains_and_the_npu_provider_at_tp2_gives_the_torch_providers_curve():
+    """qwen3-tiny: 4 heads of 32 in a hidden size of 64 (megatron's kv_channels apart from hidden / heads),
+    QK-norm, tied embeddings. On one rank with the torch provider the loss falls; at TP2 (two heads and one
+    query group a rank, each head's queries and keys normed on their own rank: megatron's QK-norm is per
+    head) through the npu provider over the torch_npu double, the same batches give the same curve up to
+    reduction order: the provider's kernels and the split heads both hold."""
+    torch_tp1 = _losses(run_ranks(1, run_pretrain, _argv(8, model="qwen3-tiny")))
+    assert sorted(torch_tp1) == list(range(1, 9)) and torch_tp1[8] < torch_tp1[1] - 0.3, torch_tp1
+    runs = run_ranks(2, run_pretrain_printing, _argv(8, 2, model="qwen3-tiny"), env=NPU_DOUBLE)
+    assert "kernels from the npu provider" in runs[0]["stdout"], runs[0]["stdout"][-2000:]
+    npu_tp2 = _losses(runs)
+    for i in torch_tp1:
+        assert npu_tp2[i] == pytest.approx(torch_tp1[i], abs=1e-5), (npu_tp2, torch_tp1)
+
+
 def _validation_losses(stdout: str) -> dict[int, float]:
     found = re.findall(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)", stdout)
     return {int(i): float(v) for i, v in found}
 
 
 DEVICES = [pytest.param("cuda", marks=pytest.mark.cuda), pytest.param("npu", marks=pytest.mark.npu)]
-MODELS = {"dense": ("--model", "qwen2.5-tiny"),
+MODELS = {"dense": ("--model", "qwen2.5-tiny"), "qwen3": ("--model", "qwen3-tiny"),
           "moe": ("--model", "gpt-tiny-moe", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
                   "--moe-permute-fusion", "--moe-aux-loss-coeff", "1e-2")}
 
@@ -135,10 +156,11 @@ def test_tiny_qwen_script_trains_saves_resumes_and_plots(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_moe_script_trains_and_logs_its_experts(tmp_path):
-    """MODEL=gpt-tiny-moe: PP2 x EP2 on 4 gloo ranks from a fresh directory; the validation loss falls from
-    ln(512) = 6.24 and the iteration lines carry the router loss and the expert load."""
+    """MODEL=qwen3-moe-tiny (QK-norm, heads of their own size): PP2 x EP2 on 4 gloo ranks from a fresh
+    directory; the validation loss falls from ln(512) = 6.24 and the iteration lines carry the router loss
+    and the expert load."""
     env = {**os.environ, "OUTPUT_DIR": str(tmp_path / "run"), "TRAIN_ITERS": "30", "EVAL_INTERVAL": "30",
-           "MODEL": "gpt-tiny-moe", "PYTHON": sys.executable}
+           "MODEL": "qwen3-moe-tiny", "PYTHON": sys.executable}
     done = subprocess.run(["bash", "scripts/pretrain_qwen_tiny.sh"], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -30,6 +30,9 @@ def _model(parser: argparse.ArgumentParser) -> None:
                        ("num-attention-heads", int), ("num-query-groups", int), ("max-position-embeddings", int),
                        ("rotary-base", float), ("norm-epsilon", float), ("vocab-size", int)):
         g.add_argument(f"--{name}", type=kind)
+    g.add_argument("--kv-channels", type=int,
+                   help="each attention head's size (default: --hidden-size / --num-attention-heads; Qwen3's "
+                        "is 128 whatever that is)")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"])
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
@@ -134,7 +137,10 @@ def _moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
     g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
                    choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"])
-    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+",
+                   help="one per --moe-router-load-balancing-type; default: the named model's published "
+                        "coefficient (qwen3-30b-a3b: 1e-3), else 0 (Megatron-LM's default is always 0, which "
+                        "would train a published MoE model without its load balancing)")
     g.add_argument("--moe-z-loss-coeff", type=float)
     g.add_argument("--moe-shared-expert-overlap", action="store_true")
     g.add_argument("--moe-permute-fusion", action="store_true")
@@ -315,7 +321,7 @@ POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "conte
             "norm_epsilon", "make_vocab_size_divisible_by", "ddp_bucket_size", "distributed_timeout_minutes",
             "log_interval", "eval_interval", "save_interval", "exit_interval", "loss_scale", "initial_loss_scale",
             "loss_scale_window", "recompute_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size",
-            "moe_ffn_hidden_size", "moe_router_topk")
+            "moe_ffn_hidden_size", "moe_router_topk", "kv_channels")
 NOT_NEGATIVE = ("train_iters", "lr", "min_lr", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction",
                 "lr_warmup_init", "weight_decay", "clip_grad", "eval_iters", "num_workers", "hidden_dropout",
                 "attention_dropout", "init_method_std", "hysteresis", "min_loss_scale", "num_experts",
@@ -435,12 +441,18 @@ def _check_experts(args: argparse.Namespace) -> None:
 
 def _check_load_balancing(args: argparse.Namespace) -> None:
     """One aux-loss coefficient per load-balancing type, none negative; a single one of each is a plain
-    value, as Megatron-LM makes it."""
+    value, as Megatron-LM makes it. Without --moe-aux-loss-coeff the coefficient is the model's
+    (``ModelConfig.moe_aux_loss_coeff``, what it was published with), which names no type: several types
+    still need one coefficient each."""
     types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    given = coeffs is not None
+    if not given:
+        coeffs = args.model_config.moe_aux_loss_coeff
     types, coeffs = (types if isinstance(types, list) else [types]), (coeffs if isinstance(coeffs, list) else [coeffs])
     _require(len(types) == len(coeffs),
-             f"--moe-router-load-balancing-type {' '.join(types)} with --moe-aux-loss-coeff "
-             f"{' '.join(map(str, coeffs))}: give one coefficient per type")
+             f"--moe-router-load-balancing-type {' '.join(types)} with "
+             + (f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}" if given else
+                f"the model's one aux-loss coefficient ({coeffs[0]})") + ": give one coefficient per type")
     _require(all(c >= 0 for c in coeffs), f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: must be zero or more")
     args.moe_router_load_balancing_type = types[0] if len(types) == 1 else types
     args.moe_aux_loss_coeff = coeffs[0] if len(coeffs) == 1 else coeffs

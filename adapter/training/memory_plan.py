@@ -9,7 +9,9 @@ ranks, over which the distributed optimizer shards):
 
 - weights: P in the params dtype (2 bytes for bf16/fp16). Tensor-parallel layers hold 1/t of their weight;
   norms (and row-parallel biases) are whole on every TP rank. A tied embedding is held by the first stage and,
-  as the output layer, again by the last.
+  as the output layer, again by the last. A layer's attention, with a heads of size d (``kv_channels``) in g
+  query groups: QKV of (a + 2g)d x h, the output projection of ad back to h (ad is h unless the head size
+  is set apart from it, as Qwen3's 128 is), and with QK-norm (``qk_layernorm``) two norms of d, whole.
 - grads: DDP's contiguous ``main_grad`` buffer covers all P, fp32 when ``grad_reduce_in_fp32`` (Megatron-LM
   forces it for bf16), else the params dtype; the distributed optimizer reduce-scatters into it, it does not
   shrink it.
@@ -42,13 +44,16 @@ dim, g = query groups, f = FFN size):
   the input of QKV and of FC1 (2 x eh; with sequence parallelism the linear layer saves its sharded input
   and all-gathers it again in the backward pass), and the dropout masks after the attention projection and
   FC2 (2 x h bytes, only when hidden dropout > 0): 4eh + 2h. The paper's 10sbh.
-- attention, divided by t: queries e*a*d = eh; keys and values 2e*g*d, so GQA keeps 2eh*g/a where the paper
-  (g = a) keeps 2eh; the attention output, which is also the projection's input, eh. Flash attention
-  (``--use-flash-attn``) keeps only its fp32 log-sum-exp, 4a bytes, instead of scores. Megatron's unfused
-  attention repeats keys and values to all a heads first (3eh for Q, K, V), then keeps the softmax output
-  (e*as) and, with attention dropout, its mask and result (as + e*as): the paper's 5as^2b; its context
-  output is a fresh tensor (eh). MHA unfused: 4eh + 5as = 8h + 5as, the paper's attention block 11sbh +
-  5as^2b less its QKV input and dropout mask, counted above.
+- attention, divided by t, over the attention width ad (= h unless the head size is set apart): queries
+  e*a*d; keys and values 2e*g*d, so GQA keeps 2e*ad*g/a where the paper (g = a, ad = h) keeps 2eh; the
+  attention output, which is also the projection's input, e*ad. Flash attention (``--use-flash-attn``) keeps
+  only its fp32 log-sum-exp, 4a bytes, instead of scores. Megatron's unfused attention repeats keys and
+  values to all a heads first (3e*ad for Q, K, V), then keeps the softmax output (e*as) and, with attention
+  dropout, its mask and result (as + e*as): the paper's 5as^2b; its context output is a fresh tensor (e*ad).
+  MHA unfused: 4eh + 5as = 8h + 5as, the paper's attention block 11sbh + 5as^2b less its QKV input and
+  dropout mask, counted above. QK-norm, before RoPE and outside core attention, keeps its inputs (the
+  un-normed Q and K, e(a + g)d) and each head's fp32 reciprocal RMS (4(a + g)); RoPE saves nothing of its
+  input.
 - MLP, divided by t: GeLU keeps FC1's output (ef) and FC2's input (ef), 8h + 8h for f = 4h as in the paper;
   fused SwiGLU keeps its input, FC1's output of 2f (2ef), and FC2's input (ef): 3ef.
 - MoE layer, in place of the MLP, with k experts per token, expert FFN f_e, E experts: the router's fp32
@@ -60,7 +65,8 @@ dim, g = query groups, f = FFN size):
   a stage differ (``moe_layer_freq``): a pass holds the stage's mean layer that many times.
 
 Summed for GeLU, MHA, unfused attention with dropout and f = 4h: 10h + 8h + 5as + 16h = 34h + 5as, the
-paper's formula. For Qwen2.5 with flash attention and no dropout: (4eh)/t + (eh(2 + 2g/a) + 4a + 3ef)/t.
+paper's formula. For Qwen2.5 with flash attention and no dropout: (4eh)/t + (eh(2 + 2g/a) + 4a + 3ef)/t;
+Qwen3 adds QK-norm and its attention width is ad: (4eh)/t + (e*ad(2 + 2g/a) + (ed + 4)(a + g) + 4a + 3ef)/t.
 Selective recompute (megatron-core's default ``core_attn``) checkpoints core attention: its inputs (Q and the
 unrepeated K, V) and output stay, the scores or the log-sum-exp go. Full recompute keeps each checkpointed
 group's input, eh (over t with sequence parallelism): ``uniform`` with N layers per group keeps ceil(l/N)
@@ -204,7 +210,8 @@ def _layer_parameters(model: ModelConfig, moe: bool) -> tuple[int, int, int]:
     norm = 2 * h if model.normalization == "LayerNorm" else h
     qk_norms = 2 * (2 * d if model.normalization == "LayerNorm" else d) if model.qk_layernorm else 0
     row_bias = h if model.add_bias_linear else 0  # a row-parallel layer's bias (projection, FC2) is whole
-    split = qkv * h + h * h + (qkv if model.add_qkv_bias else 0)
+    # QKV: h -> (a + 2g)d rows; the output projection: the attention width ad -> h (ad = h unless kv_channels)
+    split = qkv * h + model.num_attention_heads * d * h + (qkv if model.add_qkv_bias else 0)
     whole = 2 * norm + qk_norms + row_bias
     if not moe:
         return split + model.mlp_parameters(model.ffn_hidden_size) - row_bias, whole + row_bias, 0
@@ -256,11 +263,14 @@ def _activation_bytes_per_token(model: ModelConfig, *, moe: bool, act_bytes: int
     e, h, d = act_bytes, model.hidden_size, model.head_dim
     a, g = model.num_attention_heads, model.num_query_groups
     sequence_region = 4 * e * h + (2 * h if hidden_dropout else 0)
+    # the QK-norms' inputs (un-normed Q and K) and their fp32 reciprocal RMS per head, outside core attention
+    qk_norms = (e * d + 4) * (a + g) if model.qk_layernorm else 0
     if selective or flash_attention:
-        attention = e * (a * d + 2 * g * d) + e * h + (0 if selective else 4 * a)
+        attention = e * (a * d + 2 * g * d) + e * a * d + (0 if selective else 4 * a)
     else:
         scores = e * a * seq_per_rank + ((1 + e) * a * seq_per_rank if attention_dropout else 0)
-        attention = 3 * e * a * d + e * h + scores
+        attention = 3 * e * a * d + e * a * d + scores
+    attention += qk_norms
     if moe:
         sequence_region += 8 * model.num_experts  # the router's fp32 logits and scores
         routed = model.moe_router_topk * (e * h * etp + _mlp_activations(model, e, model.expert_ffn_hidden_size))

@@ -2,10 +2,12 @@
 
 Printed by the last rank (it holds the loss, as in Megatron-LM). Model FLOPs follow the PaLM appendix B
 convention: per token, 6 x the matmul parameters (forward 2, backward 4) plus 6 x 2 x layers x seq x
-hidden for the attention score and value products; recomputation is not counted (it is hardware
-work, not model work), so TFLOP/s here is model-FLOPs utilisation's numerator. A MoE layer's matmul
-parameters are those a token passes through: its top-k routed experts and the shared expert (the router's
-small GEMM left out, as Megatron-LM's count leaves it).
+heads x head size for the attention score and value products (PaLM's 12LHQT). Heads x head size, the
+attention width, is the hidden size unless the head size is set apart (Qwen3's 128): then the score and
+value products and the output projection's input are that width, not the hidden size. Recomputation is not
+counted (it is hardware work, not model work), so TFLOP/s here is model-FLOPs utilisation's numerator. A
+MoE layer's matmul parameters are those a token passes through: its top-k routed experts and the shared
+expert (the router's small GEMM left out, as Megatron-LM's count leaves it).
 
 A MoE model's line and TensorBoard also carry its router losses and each MoE layer's expert load
 (``ExpertMetrics``).
@@ -25,6 +27,7 @@ from adapter import device
 def model_flops_per_token(model, seq_length: int) -> float:
     """Training FLOPs per token of ``model`` (a ModelConfig) at ``seq_length``."""
     h, layers = model.hidden_size, model.num_layers
+    width = model.num_attention_heads * model.head_dim  # the attention's, which Qwen3 sets apart from h
     qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim * h
 
     def mlp(ffn: int | None) -> int:
@@ -32,8 +35,8 @@ def model_flops_per_token(model, seq_length: int) -> float:
 
     moe = model.moe_router_topk * mlp(model.expert_ffn_hidden_size) + mlp(model.moe_shared_expert_intermediate_size)
     mlps = sum(moe if is_moe else mlp(model.ffn_hidden_size) for is_moe in model.moe_layer_pattern())
-    matmul_params = layers * (qkv + h * h) + mlps + model.vocab_size * h  # the output layer
-    return 6 * matmul_params + 6 * 2 * layers * seq_length * h
+    matmul_params = layers * (qkv + width * h) + mlps + model.vocab_size * h  # the output layer
+    return 6 * matmul_params + 6 * 2 * layers * seq_length * width
 
 
 def aux_loss_names(args) -> list[str]:
