@@ -7,6 +7,7 @@ import contextlib
 import errno
 import io
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -22,6 +23,15 @@ from adapter.training import checkpointing
 from adapter.training import pretrain as flow
 from models.verify import megatron_logits
 from scripts.pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+
+def stopped_at(saved: Path, iteration: int, into: Path) -> Path:
+    """A save directory holding only ``saved``'s checkpoint of ``iteration``, as if that run had stopped
+    there: one run gives a reference curve and the checkpoint to resume it from (a save leaves the curve as
+    it is, which the resumed runs then show bit for bit)."""
+    shutil.copytree(saved / mcore.checkpoint_name(iteration), into / mcore.checkpoint_name(iteration))
+    (into / mcore.TRACKER).write_text(str(iteration))
+    return into
 
 
 def run_pretrain(argv: list[str]) -> dict:

@@ -14,7 +14,7 @@ from models.checkpoint import TRACKER, is_complete
 from models.verify import hf_logits
 from tests.distributed import ROOT, RankFailure, launch_ranks, run_ranks
 from tests.pretrain_ranks import (KILL_STEPS, run_pretrain, run_pretrain_and_compare_with_saved,
-                                  run_pretrain_failing, run_pretrain_killed_at)
+                                  run_pretrain_failing, run_pretrain_killed_at, stopped_at)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -40,8 +40,10 @@ def _leftovers(directory) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return _losses(run_ranks(2, run_pretrain, _argv(9)))
+def reference(tmp_path_factory):
+    """9 iterations saved every 3: the uninterrupted curve and its checkpoints."""
+    directory = tmp_path_factory.mktemp("reference")
+    return _losses(run_ranks(2, run_pretrain, _argv(9, "--save", directory, "--save-interval", 3))), directory
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +77,14 @@ def test_a_resave_killed_midway_resumes_the_loss_curve(reference, tmp_path, step
     """Iteration 6 exists and the tracker is rolled back to 3 (as after a loss spike); the resumed run
     saves 6 again and is killed at ``step``. The next start resumes from 3 or 6 and continues the
     uninterrupted curve exactly."""
-    directory = tmp_path / "checkpoints"
+    curve, saved = reference
+    directory = stopped_at(saved, 3, tmp_path / "checkpoints")
+    shutil.copytree(saved / "iter_0000006", directory / "iter_0000006")
     common = ("--save", directory, "--load", directory, "--save-interval", 3)
-    run_ranks(2, run_pretrain, _argv(9, *common, "--exit-interval", 6))
-    (directory / TRACKER).write_text("3")
     with pytest.raises(RankFailure):
         run_ranks(2, run_pretrain_killed_at, _argv(9, *common), 6, step, _pid_dir(tmp_path))
     resumed = _losses(run_ranks(2, run_pretrain, _argv(9, *common)))
-    assert resumed == {i: reference[i] for i in range(resumed_from + 1, 10)}
+    assert resumed == {i: curve[i] for i in range(resumed_from + 1, 10)}
     assert (directory / TRACKER).read_text() == "9" and _leftovers(directory) == []
 
 

@@ -91,7 +91,7 @@ def test_hf_to_mcore_to_hf_is_bit_exact(converted, tmp_path, name):
     assert json.loads((out / "tokenizer_config.json").read_text()) == TOKENIZER_CONFIG
 
 
-@pytest.mark.parametrize("name", ["qwen-gqa2-untied", "qwen3-moe-dense-layer"])
+@pytest.mark.parametrize("name", ["qwen-gqa2-untied", "qwen3-gqa4-untied", "qwen3-moe-dense-layer"])
 def test_bf16_weights_round_trip_bit_exact_and_cast_on_request(tmp_path, name):
     hf_dir = save_tiny(name, tmp_path / "hf", dtype=torch.bfloat16)
     hf_to_mcore(hf_dir, tmp_path / "mcore", progress=False)

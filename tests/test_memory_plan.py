@@ -22,8 +22,9 @@ from models.config import ModelConfig, ModelConfigError
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "pretrain_qwen_72b.sh"
 QWEN72B = models.get("qwen2.5-72b")
-# the launcher's layout: 4 nodes x 8 devices
+# MindSpeed-LLM's 4k recipe layout: 4 nodes x 8 devices (the launcher runs it at micro-batch 1, LAUNCHER_4K)
 RECIPE = dict(tp=8, pp=4, vpp=5, dp=1, micro_batch_size=2, global_batch_size=128, seq_length=4096)
+LAUNCHER_4K = {**RECIPE, "micro_batch_size": 1}
 RECIPE_ARGS = ["--model", "qwen2.5-72b", "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4",
                "--num-layers-per-virtual-pipeline-stage", "4", "--sequence-parallel", "--bf16",
                "--use-distributed-optimizer", "--use-flash-attn", "--micro-batch-size", "2",
@@ -237,12 +238,52 @@ def test_dry_run_prints_command_and_plan(tmp_path):
     assert "--tensor-model-parallel-size 8" in out and "--pipeline-model-parallel-size 4" in out
     assert "--num-layers-per-virtual-pipeline-stage 4" in out and "--model qwen2.5-72b" in out
     assert "torchrun \\\n    --nnodes 4 \\\n" in out and "HCCL_CONNECT_TIMEOUT=1800" in out
-    expected = plan(QWEN72B, **RECIPE)
+    expected = plan(QWEN72B, **LAUNCHER_4K)
     for row in ("weights", "grads", "optimizer", "activations"):
         line = next(line for line in out.splitlines() if line.startswith(f"{row} (GiB)"))
         assert line.split()[2:] == [f"{s.gib()[row]:.2f}" for s in expected.stages]
     assert "not launched" in out
     assert not (tmp_path / "torchrun-args").exists()
+
+
+# a 64 GB device holds 59.6 GiB; the plan leaves at least this much of it to the runtime, the communicators'
+# buffers and fragmentation
+DEVICE_GIB, HEADROOM_GIB = 64e9 / 2**30, 7.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seq_length, layout", [
+    ("4096", "TP 8 x PP 4 x DP 1 = 32 devices, 5 virtual stages of 4 layers"),
+    ("32768", "TP 8 x PP 4 x DP 1 x CP 4 = 128 devices"),
+])
+def test_72b_dry_runs_print_a_command_the_flow_accepts_and_a_plan_that_fits(tmp_path, seq_length, layout):
+    """SEQ_LENGTH picks MindSpeed-LLM's 4k or 32k layout (CP 4, ring attention); each command is one the flow
+    accepts at its world size, and its stage 0 fits a 64 GB device with room to spare."""
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"corpus{suffix}").touch()
+    done = _run_script(_script_env(tmp_path, DRY_RUN="1", SEQ_LENGTH=seq_length, DATA_PATH=str(tmp_path / "corpus"),
+                                   TOKENIZER_MODEL=str(tmp_path)))
+    assert done.returncode == 0, done.stderr
+    command = _printed_command(done.stdout)
+    argv = command[command.index(str(ROOT / "scripts" / "pretrain_gpt.py")) + 1:]
+    world = int(command[command.index("--nnodes") + 1]) * int(command[command.index("--nproc_per_node") + 1])
+    args = validate_args(parse_args(argv), world)
+    assert (args.seq_length, args.data_parallel_size) == (int(seq_length), 1)
+    expected, _ = plan_from_args(["--world-size", str(world), *argv])
+    assert f"memory plan per device: qwen2.5-72b, {layout}" in done.stdout
+    peak = re.search(r"needs ([\d.]+) GiB per device \(stage (\d+)\)", done.stdout)
+    assert (float(peak.group(1)), int(peak.group(2))) == (round(expected.peak.total / 2**30, 1), 0)
+    assert expected.peak.total / 2**30 < DEVICE_GIB - HEADROOM_GIB, done.stdout
+    if seq_length == "32768":
+        assert (args.context_parallel_size, args.cp_comm_type, expected.cp) == (4, "p2p", 4)
+        # activations of 32k tokens split over CP 4 are those of 8k tokens on one rank
+        unsplit_8k = plan(QWEN72B, tp=8, pp=4, dp=4, micro_batch_size=1, global_batch_size=128, seq_length=8192)
+        assert expected.peak.activations == unsplit_8k.peak.activations
+
+
+def test_context_parallel_splits_the_sequence_in_2cp_chunks():
+    with pytest.raises(PlanError, match="seq length 4098 is not divisible by 2 x CP 2 = 4"):
+        plan(QWEN72B, **{**RECIPE, "seq_length": 4098}, cp=2)
 
 
 @pytest.mark.slow

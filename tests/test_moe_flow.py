@@ -15,7 +15,7 @@ import torch
 import models
 from adapter.training.arguments import moe_freq_type, parse_args, validate_args
 from tests.distributed import run_ranks
-from tests.pretrain_ranks import run_pretrain_printing
+from tests.pretrain_ranks import run_pretrain_printing, stopped_at
 from tests.test_arguments import BASE, assert_refused
 from tests.test_memory_plan import QWEN2_57B
 
@@ -311,15 +311,13 @@ def test_ep2_trains_logs_resumes_bit_exactly_and_loads_at_ep1_and_back(tmp_path)
     expert load; stopped at 4 and resumed, the curve is the uninterrupted one bit for bit; loaded on one
     rank (EP1, DP1: all 8 experts and the whole batch there), and from there back at EP2, it continues it up
     to reduction order."""
-    tensorboard = tmp_path / "tensorboard"
+    tensorboard, saved = tmp_path / "tensorboard", tmp_path / "saved"
     reference, printed = _logged(run_ranks(2, run_pretrain_printing, _argv(
-        8, 2, 1, "--tensorboard-dir", str(tensorboard), "--moe-per-layer-logging")))
+        8, 2, 1, "--tensorboard-dir", str(tensorboard), "--moe-per-layer-logging", "--save", str(saved),
+        "--save-interval", "4")))
     assert sorted(reference) == list(range(1, 9)) and reference[8] < reference[1] - 0.3
     _check_moe_logs(printed, 8, tensorboard)
-    checkpoints = tmp_path / "checkpoints"
-    first, _ = _logged(run_ranks(2, run_pretrain_printing, _argv(8, 2, 1, "--save", str(checkpoints),
-                                                                 "--exit-interval", "4")))
-    assert first == {i: reference[i] for i in range(1, 5)}
+    checkpoints = stopped_at(saved, 4, tmp_path / "checkpoints")
     resumed, printed = _logged(run_ranks(2, run_pretrain_printing, _argv(8, 2, 1, "--load", str(checkpoints))))
     assert f"loaded {checkpoints / 'iter_0000004'} (iteration 4)" in printed
     assert resumed == {i: reference[i] for i in range(5, 9)}
@@ -338,8 +336,10 @@ def test_ep2_trains_logs_resumes_bit_exactly_and_loads_at_ep1_and_back(tmp_path)
 @pytest.mark.multiproc
 def test_ep2_tp2_with_sequence_parallel_trains_and_resumes_bit_exactly(tmp_path):
     """4 ranks: TP2 x DP2 for the dense part, EP2 x expert TP2 for the experts, sequence parallel."""
-    reference, _ = _logged(run_ranks(4, run_pretrain_printing, _argv(6, 2, 2)))
+    saved = tmp_path / "saved"
+    reference, _ = _logged(run_ranks(4, run_pretrain_printing, _argv(6, 2, 2, "--save", str(saved),
+                                                                     "--save-interval", "3")))
     assert reference[6] < reference[1]
-    run_ranks(4, run_pretrain_printing, _argv(6, 2, 2, "--save", str(tmp_path), "--exit-interval", "3"))
-    resumed, _ = _logged(run_ranks(4, run_pretrain_printing, _argv(6, 2, 2, "--load", str(tmp_path))))
+    resumed, _ = _logged(run_ranks(4, run_pretrain_printing, _argv(6, 2, 2, "--load",
+                                                                   str(stopped_at(saved, 3, tmp_path / "at3")))))
     assert resumed == {i: reference[i] for i in range(4, 7)}

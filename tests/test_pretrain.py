@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import DOUBLES
 from tests.distributed import ROOT, run_ranks
-from tests.pretrain_ranks import run_pretrain, run_pretrain_printing
+from tests.pretrain_ranks import run_pretrain, run_pretrain_printing, stopped_at
 
 pytestmark = pytest.mark.multiproc
 
@@ -37,48 +37,48 @@ def _losses(results: list[dict]) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted():
-    """TP2 x PP2 on 4 ranks, 12 iterations: the reference curve."""
-    return _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2)))
+def uninterrupted(tmp_path_factory):
+    """TP2 x PP2 on 4 ranks, 12 iterations, saving every 6: the reference curve, and its checkpoints (a save
+    leaves the curve as it is: the resumed runs below continue it bit for bit)."""
+    saved = tmp_path_factory.mktemp("uninterrupted")
+    return _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2, "--save", str(saved), "--save-interval", "6"))), saved
 
 
 @pytest.mark.slow
 def test_tiny_qwen_trains_and_the_loss_falls(uninterrupted):
-    assert sorted(uninterrupted) == list(range(1, 13))
-    assert uninterrupted[12] < uninterrupted[1] - 0.3
+    curve, _ = uninterrupted
+    assert sorted(curve) == list(range(1, 13))
+    assert curve[12] < curve[1] - 0.3
 
 
 @pytest.mark.slow
 def test_resume_continues_the_uninterrupted_curve_bit_exactly(uninterrupted, tmp_path):
-    # the same --train-iters (it sets the LR schedule and the dataset's sample order), stopped at 6
-    first = _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2, "--save", str(tmp_path), "--save-interval", "3",
-                                                     "--exit-interval", "6")))
-    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "6"
-    resumed = _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2, "--load", str(tmp_path))))
-    assert sorted(resumed) == list(range(7, 13))
-    assert {i: first[i] for i in range(1, 7)} == {i: uninterrupted[i] for i in range(1, 7)}
-    assert resumed == {i: uninterrupted[i] for i in range(7, 13)}
+    # the same --train-iters (it sets the LR schedule and the dataset's sample order), from iteration 6
+    curve, saved = uninterrupted
+    resumed = _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2, "--load", str(stopped_at(saved, 6, tmp_path)))))
+    assert resumed == {i: curve[i] for i in range(7, 13)}
 
 
 @pytest.mark.slow
 def test_resume_at_another_layout_continues_the_curve(uninterrupted, tmp_path):
     """Saved at TP2 x PP2 (4 ranks), resumed at TP1 x DP2 (2 ranks): same data order, same weights and
     optimizer state, so the same losses up to reduction order."""
-    run_ranks(4, run_pretrain, _argv(12, 2, 2, "--save", str(tmp_path), "--exit-interval", "6"))
-    resumed = _losses(run_ranks(2, run_pretrain, _argv(12, 1, 1, "--load", str(tmp_path))))
+    curve, saved = uninterrupted
+    resumed = _losses(run_ranks(2, run_pretrain, _argv(12, 1, 1, "--load", str(stopped_at(saved, 6, tmp_path)))))
     assert sorted(resumed) == list(range(7, 13))
     for i in range(7, 13):
-        assert resumed[i] == pytest.approx(uninterrupted[i], abs=2e-4)
+        assert resumed[i] == pytest.approx(curve[i], abs=2e-4)
 
 
 @pytest.mark.slow
 def test_interleaved_pipeline_trains_and_resumes_bit_exactly(tmp_path):
     """PP2 with two virtual stages of one layer each (the 72B recipe's schedule, in small)."""
     vpp = ("--num-layers-per-virtual-pipeline-stage", "1")
-    reference = _losses(run_ranks(2, run_pretrain, _argv(6, 1, 2, *vpp)))
+    saved = tmp_path / "saved"
+    reference = _losses(run_ranks(2, run_pretrain, _argv(6, 1, 2, *vpp, "--save", str(saved), "--save-interval", "3")))
     assert reference[6] < reference[1]
-    run_ranks(2, run_pretrain, _argv(6, 1, 2, *vpp, "--save", str(tmp_path), "--exit-interval", "3"))
-    resumed = _losses(run_ranks(2, run_pretrain, _argv(6, 1, 2, *vpp, "--load", str(tmp_path))))
+    at3 = stopped_at(saved, 3, tmp_path / "at3")
+    resumed = _losses(run_ranks(2, run_pretrain, _argv(6, 1, 2, *vpp, "--load", str(at3))))
     assert resumed == {i: reference[i] for i in range(4, 7)}
 
 

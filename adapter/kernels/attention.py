@@ -23,30 +23,36 @@ from __future__ import annotations
 import math
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from adapter.kernels import UnsupportedKernelSetting
+from adapter.kernels import UnsupportedKernelSetting, context_parallel
 
 
 class CoreAttention(MegatronModule):
-    """megatron's core-attention interface; ``attention`` is bound per provider by
-    ``adapter.kernels.core_attention_module``."""
+    """megatron's core-attention interface; ``attention`` (and ``kernels``, the provider module, whose
+    ``attention_with_lse`` / ``attention_grad_from_lse`` run ring attention's blocks) are bound per provider
+    by ``adapter.kernels.core_attention_module``. With ``context_parallel_size`` > 1 it attends over the CP
+    group as ``cp_comm_type`` says (adapter/kernels/context_parallel.py)."""
 
     attention = None
+    kernels = None
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise UnsupportedKernelSetting(
-                f"context_parallel_size={config.context_parallel_size}: the adapter's core attention has "
-                "no context-parallel ring; use context_parallel_size=1 (or Transformer Engine's "
-                "TEDotProductAttention on CUDA)")
+        self.cp_group = self.cp_kind = None
+        if config.context_parallel_size > 1:
+            tp = config.tensor_model_parallel_size
+            self.cp_kind = context_parallel.check_cp_attention(
+                cp_comm_type or config.cp_comm_type, config.num_attention_heads // tp,
+                (config.num_query_groups or config.num_attention_heads) // tp, config.context_parallel_size)
+            self.cp_group = (pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp")
+                             else parallel_state.get_context_parallel_group())
         if config.softmax_type != "vanilla":
             raise UnsupportedKernelSetting(
                 f"softmax_type={config.softmax_type!r}: flash attention computes the vanilla softmax; "
@@ -77,6 +83,8 @@ class CoreAttention(MegatronModule):
                 "convention)")
         kwargs = dict(scale=self.softmax_scale, causal=causal, mask=mask, window=self.window,
                       dropout_p=self.dropout_p if self.training else 0.0)
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value, packed_seq_params, **kwargs)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             kwargs.update(self._packed(packed_seq_params, mask))
         if kwargs["dropout_p"] > 0.0 and not self.config.sequence_parallel:
@@ -84,6 +92,24 @@ class CoreAttention(MegatronModule):
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 return self.attention(query, key, value, **kwargs)
         return self.attention(query, key, value, **kwargs)
+
+    def _context_parallel(self, query, key, value, packed_seq_params, *, scale, causal, mask, window, dropout_p):
+        """Attention over the CP group: causal (or full) self-attention of the load-balanced chunks only."""
+        unsupported = [what for what, present in (
+            ("packed (thd) sequences", packed_seq_params is not None and packed_seq_params.qkv_format == "thd"),
+            ("an attention mask", mask is not None), (f"sliding window {window}", window is not None),
+            (f"attention dropout {dropout_p}", dropout_p > 0.0), ("attention without the causal mask", not causal))
+            if present]
+        if unsupported:
+            raise UnsupportedKernelSetting(
+                f"{', '.join(unsupported)} with context_parallel_size={self.config.context_parallel_size}: the "
+                "adapter's context-parallel attention is causal self-attention over megatron's load-balanced "
+                "sequence split; use context_parallel_size=1 for these")
+        if self.cp_kind == "a2a":
+            return context_parallel.ulysses_attention(query, key, value, group=self.cp_group, attention=self.attention,
+                                                      scale=scale, causal=True, mask=None, window=None, dropout_p=0.0)
+        return context_parallel.ring_attention(query, key, value, scale=scale, group=self.cp_group,
+                                               kernels=self.kernels)
 
     def _packed(self, params, mask) -> dict:
         if mask is not None:

@@ -101,6 +101,70 @@ def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=N
     return out
 
 
+SPARSE_CAUSAL_TOP_LEFT = 2
+STAT_SLOTS = 8  # softmax_max / softmax_sum repeat each row's value over a trailing dim of 8
+
+
+def _block_mask(causal: bool, device) -> dict:
+    """atten_mask / sparse_mode for one ring block: none, or causal top-left (mode 2, the compressed mask)."""
+    if not causal:
+        return {}
+    return dict(atten_mask=compressed_causal_mask(device), sparse_mode=SPARSE_CAUSAL_TOP_LEFT)
+
+
+def _stat(rows: torch.Tensor) -> torch.Tensor:
+    """A per-row float32 statistic [b, n, s] in the kernel's [b, n, s, 8] layout."""
+    return rows.float().unsqueeze(-1).expand(*rows.shape, STAT_SLOTS).contiguous()
+
+
+def attention_with_lse(q, k, v, *, scale, causal):
+    """One ring-attention block on npu_fusion_attention (BNSD, GQA with K/V unexpanded): out [b, nq, sq, d]
+    in q's dtype and lse [b, nq, sq] float32 over the visible keys. The kernel hands back the row max and
+    the unnormalised row sum of exp(score - max) rather than the lse, so lse = max + log(sum) from slot 0.
+    causal is top-left aligned (sparse_mode 2), which for sq == sk is the diagonal block's mask."""
+    _check_heads(q.shape[1], k.shape[1])
+    out, row_max, row_sum = torch_npu.npu_fusion_attention(
+        q, k, v, q.shape[1], "BNSD", scale=scale, keep_prob=1.0, **_block_mask(causal, q.device))[:3]
+    return out, row_max[..., 0] + torch.log(row_sum[..., 0])
+
+
+def attention_grad_from_lse(dout, q, k, v, out, lse, *, scale, causal):
+    """Gradients (dq, dk, dv) of one block on npu_fusion_attention_grad, given the GLOBAL out and lse of the
+    rows: the kernel rebuilds P = exp(scale q k^T - softmax_max) / softmax_sum and D = rowsum(dout * out)
+    from what it is fed, so softmax_max = lse and softmax_sum = 1 give the globally normalised P of this
+    block's keys (MindSpeed feeds the final merged max/sum; the two are the same P). dout and out go in in
+    q's dtype, as the kernel takes them; dq [b, nq, sq, d], dk / dv with k / v's head count, in q's dtype."""
+    _check_heads(q.shape[1], k.shape[1])
+    dq, dk, dv = torch_npu.npu_fusion_attention_grad(
+        q, k, v, dout.to(q.dtype), q.shape[1], "BNSD", softmax_max=_stat(lse),
+        softmax_sum=_stat(torch.ones_like(lse, dtype=torch.float32)), attention_in=out.to(q.dtype),
+        scale_value=scale, keep_prob=1.0, **_block_mask(causal, q.device))[:3]
+    return dq, dk, dv
+
+
+def merge_with_lse(out, lse, block_out, block_lse):
+    """Merges a block's partial attention into the running result on npu_ring_attention_update.
+
+    Contract: out and block_out [b, n, s, d] in one dtype, over disjoint key sets of the same query rows;
+    lse and block_lse [b, n, s] float32 (logsumexp of the scaled scores over each side's keys). Returns new
+    tensors (out' [b, n, s, d] in out's dtype, lse' [b, n, s] float32) with
+    lse' = logaddexp(lse, block_lse) and out' = out * exp(lse - lse') + block_out * exp(block_lse - lse');
+    the ratios are applied in out's dtype (the op casts them). Neither input is modified; no autograd (the
+    op has no backward node). A row with lse = -inf on both sides gives NaN. The op takes SBH outputs and
+    [b, n, s, 8] statistics, so out is passed as SBH (a copy each way) with max = lse and sum = 1."""
+    b, n, s, d = out.shape
+    ones = _stat(torch.ones_like(lse, dtype=torch.float32))
+    merged, row_max, row_sum = torch_npu.npu_ring_attention_update(
+        _bnsd_to_sbh(out), _stat(lse), ones, _bnsd_to_sbh(block_out.to(out.dtype)), _stat(block_lse), ones,
+        input_layout="SBH")
+    return merged.view(s, b, n, d).permute(1, 2, 0, 3).contiguous(), row_max[..., 0] + torch.log(row_sum[..., 0])
+
+
+def _bnsd_to_sbh(t: torch.Tensor) -> torch.Tensor:
+    b, n, s, d = t.shape
+    return t.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
 def _check_rotary_dim(rot: int) -> None:
     if rot % 2 or rot >= MAX_ROTARY_DIM:
         raise UnsupportedKernelSetting(f"rotary dimension {rot}: npu_rotary_mul needs an even dimension below "

@@ -114,6 +114,65 @@ def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=N
     return per_sequence(_dense, q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, causal, window, dropout_p)
 
 
+def _grouped(k, v, heads: int):
+    """K/V repeated to ``heads`` heads: query head i reads key/value group i // (heads / groups)."""
+    groups = k.shape[1]
+    if groups == heads:
+        return k, v
+    return k.repeat_interleave(heads // groups, dim=1), v.repeat_interleave(heads // groups, dim=1)
+
+
+def _summed_over_groups(grad, groups: int):
+    b, heads, s, d = grad.shape
+    return grad if heads == groups else grad.view(b, groups, heads // groups, s, d).sum(2)
+
+
+def _flash_cpu(q) -> bool:
+    """torch's CPU flash kernel (which returns the log-sum-exp) takes CPU float tensors; elsewhere the math
+    below runs."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _scores(q, k, scale, causal):
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
+                                    -torch.inf)
+    return scores
+
+
+def attention_with_lse(q, k, v, *, scale, causal):
+    """One block of context-parallel attention and its rows' log-sum-exp: q [b, nq, sq, d], k/v
+    [b, nkv, sk, d] -> out [b, nq, sq, d] (q's dtype), lse [b, nq, sq] float32; ``causal`` top-left aligned
+    (sq == sk). The ring merges blocks by their lse (adapter/kernels/context_parallel.py)."""
+    k, v = _grouped(k, v, q.shape[1])
+    if _flash_cpu(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
+    scores = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
+
+
+def attention_grad_from_lse(dout, q, k, v, out, lse, *, scale, causal):
+    """(dq, dk, dv) of one block given its rows' GLOBAL out and lse (flash attention's backward, whose
+    softmax is exp(scores - lse)): summed over the blocks, the gradients of attention over all keys. dk/dv
+    in k/v's head count."""
+    groups = k.shape[1]
+    k, v = _grouped(k, v, q.shape[1])
+    if _flash_cpu(q):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous().to(q.dtype), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+            lse.contiguous(), 0.0, causal, scale=scale)
+    else:
+        dout, probs = dout.float(), torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
+        dv = torch.matmul(probs.transpose(-1, -2), dout)
+        dscores = probs * (torch.matmul(dout, v.float().transpose(-1, -2))
+                           - (dout * out.float()).sum(-1, keepdim=True))
+        dq, dk = torch.matmul(dscores, k.float()) * scale, torch.matmul(dscores.transpose(-1, -2), q.float()) * scale
+    return dq, _summed_over_groups(dk, groups), _summed_over_groups(dv, groups)
+
+
 def per_sequence(dense, q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, causal, window, dropout_p):
     """Packed attention as one ``dense`` call per sequence (a batch of one, no cross-sequence keys)."""
     bounds_q, bounds_kv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()

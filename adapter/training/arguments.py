@@ -152,6 +152,11 @@ def _moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-per-layer-logging", action="store_true")
 
 
+# Megatron-LM's --cp-comm-type values; the adapter's CP attention runs the first two
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+SUPPORTED_CP_COMM_TYPES = ("p2p", "a2a")
+
+
 def _parallel(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -159,6 +164,9 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int)
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", nargs="+", choices=CP_COMM_TYPES, default=["p2p"],
+                   help="how the CP ranks exchange attention work: p2p (ring attention) or a2a (Ulysses); one "
+                        "type, or one per layer (all the same here)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -306,6 +314,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _check_model(args)
     _check_experts(args)
     _check_virtual_pipeline(args)
+    _check_context_parallel(args)
     _check_batches(args)
     _check_precision_and_overlap(args)
     _check_schedule(args)
@@ -352,8 +361,6 @@ def _check_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
     args.data_parallel_size = world_size // model_parallel
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron-LM: nothing to split over
-    _require(cp == 1, f"--context-parallel-size {cp}: context parallelism is not supported by the adapter's "
-                      "core attention yet; use 1")
     _require(args.distributed_backend is None or _backend_matches(args.distributed_backend),
              f"--distributed-backend {args.distributed_backend} does not match the adapter's backend "
              f"({_backend_name()}): leave it out, the adapter picks the collective library")
@@ -411,6 +418,43 @@ def fit_vocab(args: argparse.Namespace, tokenizer_vocab: int) -> None:
     tokenizer's vocabulary padded to --make-vocab-size-divisible-by x TP, as Megatron-LM does."""
     _set_model_config(args, tokenizer_vocab)
     _check_layout(args)
+
+
+def _check_context_parallel(args: argparse.Namespace) -> None:
+    """What the adapter's CP attention and megatron's load-balanced split need, refused here rather than
+    as an assertion inside the first forward: a communication type the attention has, heads that Ulysses
+    can spread over the CP ranks, a sequence that cuts into 2 x CP equal chunks (rank r holds chunks r and
+    2CP-1-r), no attention dropout and no document masks (the CP attention is causal over the whole
+    sequence, without dropout). Sets ``args.cp_comm_type`` to the one type as a string, the form megatron's
+    layers read (a per-layer list there is indexed by layer number, one off)."""
+    types = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
+    cp, tp, model = args.context_parallel_size, args.tensor_model_parallel_size, args.model_config
+    _require(len(set(types)) == 1, f"--cp-comm-type {' '.join(types)}: one type for every layer is supported; "
+                                   "give one of " + ", ".join(SUPPORTED_CP_COMM_TYPES))
+    _require(len(types) in (1, model.num_layers),
+             f"--cp-comm-type with {len(types)} values for {model.num_layers} layers: give one, or one per layer")
+    args.cp_comm_type = types[0]
+    if cp == 1:
+        return
+    _require(args.cp_comm_type in SUPPORTED_CP_COMM_TYPES,
+             f"--cp-comm-type {args.cp_comm_type}: not supported by the adapter's CP attention: use p2p or a2a")
+    heads, groups = model.num_attention_heads // tp, model.num_query_groups // tp
+    _require(args.cp_comm_type != "a2a" or (heads % cp == 0 and groups % cp == 0),
+             f"--cp-comm-type a2a spreads each TP rank's {heads} attention heads and {groups} query groups over "
+             f"CP {cp}, which does not divide them: use --cp-comm-type p2p or a CP size dividing both")
+    _require(args.seq_length % (2 * cp) == 0,
+             f"--seq-length {args.seq_length} is not divisible by 2 x CP {cp} = {2 * cp} (megatron's load-balanced "
+             "split cuts the sequence into 2 x CP chunks): change --seq-length or --context-parallel-size")
+    per_rank = args.seq_length // cp
+    _require(not args.sequence_parallel or per_rank % tp == 0,
+             f"sequence parallelism splits each CP rank's {per_rank} tokens over TP {tp}, which does not divide "
+             "them: change --seq-length, TP or CP")
+    _require(args.attention_dropout == 0,
+             f"--attention-dropout {args.attention_dropout} with --context-parallel-size {cp}: the CP attention has "
+             "no attention dropout; pass --attention-dropout 0")
+    _require(not args.reset_attention_mask,
+             f"--reset-attention-mask with --context-parallel-size {cp}: the CP attention is causal over the whole "
+             "sequence and takes no document masks; drop --reset-attention-mask or use CP 1")
 
 
 def _check_experts(args: argparse.Namespace) -> None:

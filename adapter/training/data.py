@@ -19,7 +19,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
-from megatron.core.utils import log_single_rank
+from megatron.core.utils import get_batch_on_this_cp_rank, log_single_rank
 
 from adapter import device
 from adapter.training.global_vars import get_args, get_tokenizer
@@ -178,11 +178,16 @@ def get_batch(data_iterator, vp_stage=None):
     """Megatron-LM's GPT batch: (tokens, labels, loss_mask, attention_mask, position_ids) on this backend's
     device, the same on every rank of the tensor-parallel group: its rank 0 reads the next batch and broadcasts
     it. Stages between the first and the last take no data: all None. attention_mask is None when the data
-    loader makes none (``create_attention_mask_in_dataloader`` off)."""
+    loader makes none (``create_attention_mask_in_dataloader`` off).
+
+    Under context parallelism every CP rank of a data-parallel rank has read the same batch (the sampler
+    deals by data-parallel rank alone); each keeps its part of the sequence as megatron splits it
+    (``get_batch_on_this_cp_rank``: chunks r and 2CP-1-r of 2CP, so the causal work is balanced), the
+    attention mask's query rows with them."""
     if not (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
             or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)):
         return None, None, None, None, None
-    batch = _broadcast_batch(data_iterator, _creates_attention_mask(get_args()))
+    batch = get_batch_on_this_cp_rank(_broadcast_batch(data_iterator, _creates_attention_mask(get_args())))
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
 
 

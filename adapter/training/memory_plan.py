@@ -311,7 +311,9 @@ def _check_plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, dp: in
     _check((tp * dp * cp) % (etp * ep) == 0,
            f"the {tp * dp * cp} devices of a pipeline stage (TP {tp} x DP {dp} x CP {cp}) are not divisible by "
            f"expert TP {etp} x EP {ep} = {etp * ep}: change the expert parallel sizes or DP")
-    _check(seq_length % cp == 0, f"seq length {seq_length} is not divisible by CP {cp}: change one of them")
+    chunks = 2 * cp if cp > 1 else 1  # megatron's load-balanced split: chunks r and 2CP-1-r on CP rank r
+    _check(seq_length % chunks == 0, f"seq length {seq_length} is not divisible by 2 x CP {cp} = {chunks} (megatron's "
+                                     "load-balanced CP split): change one of them")
     _check(not sequence_parallel or (seq_length // cp) % tp == 0,
            f"sequence parallelism splits the {seq_length // cp} tokens of a rank over TP {tp}, which does not "
            "divide them: change the seq length or TP")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 
@@ -91,7 +92,8 @@ def transformer_config_overrides(args) -> dict:
         masked_softmax_fusion=args.masked_softmax_fusion, bias_activation_fusion=args.bias_swiglu_fusion,
         apply_rope_fusion=args.apply_rope_fusion, cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         attention_softmax_in_fp32=True, use_cpu_initialization=not adapter.device.has_accelerator(),
-        deallocate_pipeline_outputs=True, **recompute, **_moe_overrides(args))
+        deallocate_pipeline_outputs=True, context_parallel_size=args.context_parallel_size,
+        cp_comm_type=args.cp_comm_type, **recompute, **_moe_overrides(args))
 
 
 # Megatron-LM's MoE training arguments that are TransformerConfig fields of the same name and meaning.
@@ -153,9 +155,39 @@ def setup_model_and_optimizer(model_provider, model_type=ModelType.encoder_or_de
     return chunks, optimizer, scheduler
 
 
+def over_context_parallel(forward_step_func):
+    """``forward_step_func`` whose loss function's (sum, count, report) becomes, under context
+    parallelism, (CP x this rank's sum, the token count of the whole sequence): megatron's schedule
+    divides the first by the second, and its DDP averages gradients over DP x CP, so each CP rank's
+    tokens weigh as in the unsplit sequence even where the ranks hold different numbers of unmasked
+    tokens (--eod-mask-loss; earlier Megatron-LM pretrain_gpt.py all-reduced the [sum, count] pair over
+    the CP group for the same reason, today's weighs each rank's mean alike). The report stays this rank's
+    own pair, reduced over DP x CP where it is logged. A forward step's loss function therefore returns
+    local sums (scripts/pretrain_gpt.py's does); a two-value (mean) loss is megatron's to scale."""
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return forward_step_func
+
+    def forward_step(data_iterator, model, *args):
+        output, loss_func = forward_step_func(data_iterator, model, *args)
+        return output, functools.partial(_context_parallel_loss, loss_func)
+
+    return forward_step
+
+
+def _context_parallel_loss(loss_func, output_tensor):
+    outputs = loss_func(output_tensor)
+    if len(outputs) != 3:
+        return outputs
+    total, count, report = outputs
+    whole = count.detach().clone()
+    torch.distributed.all_reduce(whole, group=parallel_state.get_context_parallel_group())
+    return total * parallel_state.get_context_parallel_world_size(), whole, report
+
+
 def _reduced_losses(losses: list[dict]) -> dict:
-    """Mean of each logged loss over the micro-batches of this rank, then over data-parallel ranks. A
-    loss given as [sum, count] (Megatron-LM's per-token form) is summed before dividing."""
+    """Mean of each logged loss over the micro-batches of this rank, then over data-parallel ranks (and
+    context-parallel ones, which each hold part of every sequence). A loss given as [sum, count]
+    (Megatron-LM's per-token form) is summed before dividing."""
     if not losses or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return {}
     out = {}
@@ -163,7 +195,7 @@ def _reduced_losses(losses: list[dict]) -> dict:
         values = torch.stack([entry[name].float().reshape(-1) for entry in losses])
         pair = values.shape[-1] == 2
         total = values.sum(dim=0) if pair else torch.stack([values.mean(), values.new_ones(())])
-        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         out[name] = (total[0] / total[1]).item()
     return out
 
@@ -175,7 +207,7 @@ def train_step(forward_step_func, data_iterator, model: list, optimizer, schedul
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step_func, data_iterator=data_iterator,
+        forward_step_func=over_context_parallel(forward_step_func), data_iterator=data_iterator,
         model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
     succeeded, grad_norm, _ = optimizer.step()
@@ -213,7 +245,7 @@ def evaluate(forward_step_func, data_iterator, model: list, eval_iters: int) -> 
     with torch.no_grad():
         for _ in range(eval_iters):
             losses = get_forward_backward_func()(
-                forward_step_func=forward_step_func, data_iterator=data_iterator,
+                forward_step_func=over_context_parallel(forward_step_func), data_iterator=data_iterator,
                 model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=True)
             for name, value in _reduced_losses(losses).items():

@@ -20,6 +20,9 @@ Layout (mirrors the real package; extend it here, one submodule per area):
   backward node), ``npu_moe_token_permute`` / ``npu_moe_token_unpermute`` (index form) and
   ``npu_moe_token_permute_with_routing_map`` / ``npu_moe_token_unpermute_with_routing_map`` (Megatron's
   permute / unpermute as ops), all four with autograd.
+- The context-parallel ops, same module: ``npu_fusion_attention_grad`` (flash attention's backward from
+  precomputed softmax statistics and output, as ring attention feeds it) and ``npu_ring_attention_update``
+  (merges two partial attention results by their statistics; no autograd, as on the real package).
 - ``torch_npu.CALLS``: a ``collections.Counter`` (double only) that each fused op increments under its own
   name on every call, refused calls included, so a test can prove a code path really dispatched to
   torch_npu (``CALLS["npu_fusion_attention"]``). It lives as long as the imported module: the
@@ -34,11 +37,13 @@ from torch_npu._ops import (  # noqa: E402,F401 - the real package exposes its f
     CALLS,
     npu_cross_entropy_loss,
     npu_fusion_attention,
+    npu_fusion_attention_grad,
     npu_grouped_matmul,
     npu_moe_token_permute,
     npu_moe_token_permute_with_routing_map,
     npu_moe_token_unpermute,
     npu_moe_token_unpermute_with_routing_map,
+    npu_ring_attention_update,
     npu_rms_norm,
     npu_rotary_mul,
     npu_scaled_masked_softmax,

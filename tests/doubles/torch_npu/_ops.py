@@ -3,8 +3,8 @@ package exposes them.
 
 Written from ../shared/reference/torch_npu.md ("torch_npu.npu_fusion_attention", "Other fused ops", and under
 "MoE and context-parallel ops": "npu_grouped_matmul (GMM)", "Token permute / unpermute, index form",
-"Routing-map form") and the torch_npu API pages on hiascend.com, never from MindSpeed or Megatron code. What
-every op here does, and why:
+"Routing-map form", "Ring attention (context parallel)") and the torch_npu API pages on hiascend.com,
+never from MindSpeed or Megatron code. What every op here does, and why:
 
 - It adds one to ``CALLS[<op name>]`` before anything else, refused calls included, so a test can prove that
   a code path dispatched to torch_npu rather than to a torch fallback.
@@ -370,6 +370,194 @@ def _fusion_attention_tnd(query, key, value, atten_mask, scale, keep_prob, pre_t
         numels += heads * sq * skv
     return (torch.cat(outs).to(query.dtype), _softmax_stat(torch.cat(maxes)), _softmax_stat(torch.cat(sums)),
             query.new_empty(0), 0, 0, numels)
+
+
+# ---------------------------------------------------------------- npu_fusion_attention_grad
+def _check_stat(name: str, stat, rows) -> None:
+    """softmax_max / softmax_sum: float32 rows + [8] (the kernel's layout, the value repeated 8 times)."""
+    _check(isinstance(stat, torch.Tensor) and stat.dtype == torch.float32,
+           f"{name} must be a float32 Tensor, got {getattr(stat, 'dtype', type(stat).__name__)}")
+    _check(tuple(stat.shape) == (*rows, 8), f"{name} must be {[*rows, 8]}, got {list(stat.shape)}")
+
+
+def _grad_inputs(query, key, value, dy, attention_in, head_num, input_layout, softmax_in, keep_prob):
+    """The checks npu_fusion_attention_grad shares with the forward, plus dy / attention_in, which must be
+    shaped like the forward's output. Returns the key/value head count."""
+    for name, tensor in (("query", query), ("key", key), ("value", value), ("dy", dy)):
+        _check_float(name, tensor)
+    _check(all(t.dtype == query.dtype for t in (key, value, dy)),
+           f"query, key, value and dy must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}, {dy.dtype}")
+    _check(input_layout in _LAYOUTS, f"input_layout must be one of {_LAYOUTS}, got {input_layout!r}")
+    if input_layout == "TND":
+        raise NotImplementedError("input_layout TND is not modelled by the double's npu_fusion_attention_grad")
+    _check(isinstance(head_num, int) and not isinstance(head_num, bool) and head_num > 0,
+           f"head_num must be a positive int, got {head_num!r}")
+    rank = 4 if input_layout in ("BSND", "BNSD") else 3
+    for name, tensor in (("query", query), ("key", key), ("value", value), ("dy", dy)):
+        _check(tensor.dim() == rank, f"{name} must be {rank}-D for input_layout {input_layout}, "
+                                     f"got shape {tuple(tensor.shape)}")
+    _check(tuple(key.shape) == tuple(value.shape),
+           f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
+    kv_heads = _kv_heads(query, key, head_num, input_layout)
+    _check(kv_heads > 0 and head_num % kv_heads == 0 and head_num <= _MAX_Q_HEADS,
+           f"head_num {head_num} must be <= {_MAX_Q_HEADS} and a multiple of the key/value head count {kv_heads}")
+    _check(tuple(dy.shape) == tuple(query.shape), f"dy must be shaped like the attention output "
+                                                  f"{tuple(query.shape)}, got {tuple(dy.shape)}")
+    _check(isinstance(attention_in, torch.Tensor) and attention_in.dtype == query.dtype
+           and tuple(attention_in.shape) == tuple(query.shape),
+           f"attention_in (the forward output) must be a {query.dtype} Tensor shaped {tuple(query.shape)}")
+    if softmax_in is not None and softmax_in.numel() > 0:
+        raise NotImplementedError("a non-empty softmax_in is not modelled by the double (pass None or the "
+                                  "forward's empty softmax_out)")
+    if keep_prob != 1.0:
+        raise NotImplementedError("keep_prob < 1 is not modelled by the double's npu_fusion_attention_grad: its "
+                                  "forward draws dropout from torch's generator, with no seed/offset to replay")
+    return kv_heads
+
+
+def _attention_grads(q, k, v, dy, out, row_max, row_sum, masked, scale: float):
+    """Flash attention's backward in float32 on BNSD tensors from the given row statistics:
+    P = exp(scale q k^T - max) / sum (0 where masked or max = -inf), D = rowsum(dy * out),
+    dS = P * (dy v^T - D), dq = scale dS k, dk = scale dS^T q, dv = P^T dy; dk / dv are summed over the
+    query heads of each key/value head (GQA)."""
+    group = q.shape[1] // k.shape[1]
+    k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    live = torch.isfinite(row_max)[..., None]
+    shifted = scale * (q @ k_rep.transpose(-2, -1)) - torch.where(live, row_max[..., None], 0.0)
+    probs = torch.where(live, torch.exp(shifted) / row_sum[..., None], 0.0)
+    if masked is not None:
+        probs = probs.masked_fill(masked, 0.0)
+    delta = (dy * out).sum(dim=-1, keepdim=True)
+    d_scores = probs * (dy @ v_rep.transpose(-2, -1) - delta)
+    dq = scale * d_scores @ k_rep
+    dk = (scale * d_scores.transpose(-2, -1) @ q).unflatten(1, (k.shape[1], group)).sum(dim=2)
+    dv = (probs.transpose(-2, -1) @ dy).unflatten(1, (k.shape[1], group)).sum(dim=2)
+    return dq, dk, dv
+
+
+@_counted
+def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
+                              atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
+                              attention_in=None, scale_value=1., keep_prob=1., pre_tockens=2147483647,
+                              next_tockens=2147483647, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
+                              actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
+                              sync=False):
+    """npu_fusion_attention's backward from PRECOMPUTED statistics: ``(dq, dk, dv, dpse, dsink)``.
+
+    The gradients are flash attention's (see _attention_grads) with P rebuilt from the given softmax_max /
+    softmax_sum (float32 [B, N, Sq, 8], slot 0 read) and D from attention_in, so a ring-attention caller can
+    hand in the FINAL merged statistics and output with one step's K/V, as MindSpeed does (the reference's
+    double formula, inferred). ``scale_value`` (not ``scale``) defaults to 1.0; masks, sparse_mode and the
+    tockens mean what they mean in the forward. dq / dk / dv come back in the input layout and dtype, dk / dv
+    with key/value's head count; dpse and dsink are empty tensors (no pse or sink is modelled; inferred).
+
+    Not modelled (NotImplementedError): missing statistics or attention_in (the reference does not say what
+    the op recomputes), pse, padding_mask, prefix, sparse_mode 5-8, input_layout TND, keep_prob < 1, a
+    non-empty softmax_in. seed / offset / numels, inner_precise, gen_mask_parallel and sync are accepted and
+    ignored (they only replay dropout or steer the kernel). The outputs carry no gradient of their own."""
+    for name, given in (("pse", pse), ("padding_mask", padding_mask), ("prefix", prefix)):
+        if given is not None:
+            raise NotImplementedError(f"{name} is not modelled by the double (pass None)")
+    for name, given in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum), ("attention_in", attention_in)):
+        if given is None:
+            raise NotImplementedError(f"{name} is needed by the double's npu_fusion_attention_grad (it does not "
+                                      "recompute the forward)")
+    kv_heads = _grad_inputs(query, key, value, dy, attention_in, head_num, input_layout, softmax_in, keep_prob)
+    _check(isinstance(sparse_mode, int) and 0 <= sparse_mode <= 8, f"sparse_mode must be 0-8, got {sparse_mode!r}")
+    if atten_mask is not None and sparse_mode >= 5:
+        raise NotImplementedError(f"sparse_mode {sparse_mode} is not modelled by the double")
+    _check(actual_seq_qlen is None and actual_seq_kvlen is None,
+           f"actual_seq_qlen / actual_seq_kvlen are for input_layout TND only, not {input_layout}")
+    with torch.no_grad():
+        q, dout, out = (_to_bnsd(t, input_layout, head_num).float() for t in (query, dy, attention_in))
+        k, v = (_to_bnsd(t, input_layout, kv_heads).float() for t in (key, value))
+        batch, _, sq, _ = q.shape
+        skv = k.shape[2]
+        _check(k.shape[0] == batch, f"query and key batch sizes differ: {batch} vs {k.shape[0]}")
+        for name, stat in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+            _check_stat(name, stat, (batch, head_num, sq))
+        if atten_mask is not None:
+            shapes = {(batch, head_num, sq, skv), (batch, 1, sq, skv), (1, 1, sq, skv), (sq, skv)}
+            _check_atten_mask(atten_mask, sparse_mode, shapes.__contains__,
+                              f"one of BNSS {(batch, head_num, sq, skv)}, B1SS, 11SS or SS {(sq, skv)}")
+        masked = _masked_positions(atten_mask, sparse_mode, pre_tockens, next_tockens, sq, skv)
+        grads = _attention_grads(q, k, v, dout, out, softmax_max[..., 0], softmax_sum[..., 0], masked,
+                                 scale_value)
+    dq, dk, dv = (_from_bnsd(g, input_layout).to(query.dtype) for g in grads)
+    return dq, dk, dv, query.new_empty(0), query.new_empty(0)
+
+
+# ---------------------------------------------------------------- npu_ring_attention_update
+_RING_LAYOUTS = ("SBH", "TND")
+_RING_TND_MAX_D = 768
+
+
+def _ring_rows(prev_out, input_layout: str, input_softmax_layout: str, heads: int, actual_seq_qlen):
+    """The statistics' leading dims for an output in ``input_layout``, after the layout's own checks:
+    SBH out [S, B, N*D] with stats [B, N, S, 8]; TND out [T, N, D] with stats [T, N, 8] (true TND only),
+    D a multiple of 64 and <= 768, N <= 256, actual_seq_qlen an int64 Tensor cumulative WITH a leading 0."""
+    _check(input_layout in _RING_LAYOUTS, f"input_layout must be one of {_RING_LAYOUTS}, got {input_layout!r}")
+    _check(prev_out.dim() == 3, f"prev_out must be 3-D for input_layout {input_layout}, got {tuple(prev_out.shape)}")
+    if input_layout == "SBH":
+        _check(actual_seq_qlen is None, "actual_seq_qlen is for input_layout TND only")
+        seq, batch, hidden = prev_out.shape
+        _check(hidden % heads == 0, f"prev_out hidden size {hidden} must be a multiple of the statistics' N={heads}")
+        return batch, heads, seq
+    if input_softmax_layout != "TND":
+        raise NotImplementedError("input_layout TND with input_softmax_layout "
+                                  f"{input_softmax_layout!r} (per-sequence NTD statistics) is not modelled by the "
+                                  "double: pass input_softmax_layout='TND'")
+    tokens, heads_out, head_dim = prev_out.shape
+    _check(head_dim % 64 == 0 and head_dim <= _RING_TND_MAX_D,
+           f"TND head dim D={head_dim} must be a multiple of 64 and <= {_RING_TND_MAX_D}")
+    _check(heads_out <= _MAX_Q_HEADS, f"TND head count N={heads_out} must be <= {_MAX_Q_HEADS}")
+    _check(isinstance(actual_seq_qlen, torch.Tensor) and actual_seq_qlen.dtype == torch.int64
+           and actual_seq_qlen.dim() == 1 and actual_seq_qlen.numel() >= 2,
+           "actual_seq_qlen must be a 1-D int64 Tensor of cumulative ends WITH a leading 0 for input_layout TND")
+    bounds = actual_seq_qlen.tolist()
+    _check(bounds[0] == 0 and bounds[-1] == tokens and all(b > a for a, b in zip(bounds, bounds[1:])),
+           f"actual_seq_qlen must rise strictly from 0 to T={tokens} (cumulative, leading 0), got {bounds}")
+    return tokens, heads_out
+
+
+@_counted
+def npu_ring_attention_update(prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum, *, actual_seq_qlen=None,
+                              input_layout="SBH", input_softmax_layout=""):
+    """Merges two partial attention results over disjoint key sets by their softmax statistics:
+    ``m = max(pm, cm); ps = p_sum exp(pm - m); cs = c_sum exp(cm - m); l = ps + cs;
+    out = prev * ps/l + cur * cs/l``, returning ``(out, m, l)`` (stats float32, the value in all 8 slots).
+
+    The ratios come from slot 0 and are cast to prev's dtype before they scale the outputs, as the reference
+    says. SBH: out [S, B, N*D], stats [B, N, S, 8]; TND: see _ring_rows. A row with max -inf on both sides
+    (no key at all) gives NaN, as the formula does. No autograd: the real op has no backward node."""
+    for name, tensor in (("prev_out", prev_out), ("cur_out", cur_out)):
+        _check_float(name, tensor)
+    _check(cur_out.dtype == prev_out.dtype and tuple(cur_out.shape) == tuple(prev_out.shape),
+           f"cur_out must match prev_out's dtype and shape, got {cur_out.dtype} {tuple(cur_out.shape)} against "
+           f"{prev_out.dtype} {tuple(prev_out.shape)}")
+    _check(isinstance(prev_max, torch.Tensor) and prev_max.dim() >= 2,
+           f"prev_max must be a float32 [..., 8] Tensor, got {getattr(prev_max, 'shape', type(prev_max).__name__)}")
+    heads = prev_max.shape[1]
+    rows = _ring_rows(prev_out, input_layout, input_softmax_layout, heads, actual_seq_qlen)
+    for name, stat in (("prev_max", prev_max), ("prev_sum", prev_sum), ("cur_max", cur_max), ("cur_sum", cur_sum)):
+        _check_stat(name, stat, rows)
+    with torch.no_grad():
+        pm, cm, p_sum, c_sum = (s[..., 0] for s in (prev_max, cur_max, prev_sum, cur_sum))
+        new_max = torch.maximum(pm, cm)
+        prev_scaled, cur_scaled = p_sum * torch.exp(pm - new_max), c_sum * torch.exp(cm - new_max)
+        new_sum = prev_scaled + cur_scaled
+        prev_ratio, cur_ratio = (_ring_ratio(r / new_sum, input_layout, prev_out) for r in (prev_scaled, cur_scaled))
+        out = prev_out.detach() * prev_ratio + cur_out.detach() * cur_ratio
+    return out, _softmax_stat(new_max), _softmax_stat(new_sum)
+
+
+def _ring_ratio(ratio, input_layout: str, out):
+    """A per-row ratio ([B, N, S] or [T, N]) broadcast over D to out's layout, in out's dtype."""
+    if input_layout == "TND":
+        return ratio[..., None].to(out.dtype)
+    batch, heads, seq = ratio.shape
+    per_head = ratio.permute(2, 0, 1)[..., None].expand(seq, batch, heads, out.shape[-1] // heads)
+    return per_head.reshape(out.shape).to(out.dtype)
 
 
 # ---------------------------------------------------------------- npu_cross_entropy_loss

@@ -1,0 +1,101 @@
+"""Context parallelism in the pretrain flow on gloo ranks: the same global batch gives the CP1 loss curve at
+CP2 (ring attention and Ulysses) and at TP2 x CP2; a CP2 run resumes bit-exactly and loads at CP1.
+
+The runs are few (each costs 10-30 s on two cores): one CP1 reference curve that the others are compared
+with. ``--eod-mask-loss`` leaves the CP ranks different numbers of unmasked tokens, so the curves also check
+that each rank's tokens weigh as in the unsplit sequence (the loss reduced over the CP group). The argument
+refusals are in tests/test_arguments.py, the 32K layout's plan in tests/test_memory_plan.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.pretrain_ranks import run_pretrain, run_pretrain_printing, stopped_at
+from tests.test_pretrain import NPU_DOUBLE
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+ITERS = 6
+
+
+def _argv(*extra: str, tp: int = 1, cp: int = 1) -> list[str]:
+    """qwen2.5-tiny in fp32, micro-batch 2 of a global 8 (DP 1 at every layout here, so every run reads the
+    same batches in the same order), sequence 32: 2 x CP2 chunks of 8 tokens a rank."""
+    return ["--model", "qwen2.5-tiny", "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "32", "--train-iters", str(ITERS),
+            "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+            "--mock-data", "--eod-mask-loss", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--use-distributed-optimizer",
+            "--ddp-bucket-size", "4096", "--seed", "7", *extra]
+
+
+def _losses(results: list[dict]) -> dict[int, float]:
+    """iteration -> lm loss, from a rank that logged (every rank of the last stage logs the same)."""
+    curves = [{entry["iteration"]: entry["lm loss"] for entry in r["train"] if "lm loss" in entry} for r in results]
+    curves = [c for c in curves if c]
+    assert curves, "no rank logged a loss"
+    return curves[-1]
+
+
+def _validation(results: list[dict]) -> dict[int, float]:
+    """iteration -> validation lm loss, from a rank that evaluated a loss."""
+    return next(curve for curve in ({v["iteration"]: v["lm loss"] for v in r["validation"] if "lm loss" in v}
+                                    for r in reversed(results)) if curve)
+
+
+def _assert_close(curve: dict, reference: dict, tolerance: float) -> None:
+    assert sorted(curve) == sorted(reference), (curve, reference)
+    worst = max(abs(curve[i] - reference[i]) for i in reference)
+    print(f"largest loss difference: {worst:.3g}")  # shown by pytest -s
+    assert worst <= tolerance, f"largest loss difference {worst:.3g} > {tolerance}: {curve} vs {reference}"
+
+
+@pytest.fixture(scope="module")
+def reference_run():
+    """CP1 on one rank: the curves every layout must give."""
+    return run_ranks(1, run_pretrain, _argv())
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    curve = _losses(reference_run)
+    assert curve[ITERS] < curve[1], curve
+    return curve
+
+
+def test_cp2_ring_attention_gives_the_cp1_curve_resumes_bit_exactly_and_loads_at_cp1(reference_run, reference,
+                                                                                      tmp_path):
+    """CP2 with p2p (ring attention), saved at 3 and 6: its training and validation curves are CP1's within
+    1e-5. Resumed at CP2 from iteration 3 it repeats its own iterations 4-6 exactly; loaded at CP1 (one
+    rank: the distributed optimizer's shards over DP x CP merge back) it continues the CP1 curve."""
+    saves = tmp_path / "cp2"
+    runs = run_ranks(2, run_pretrain, _argv("--save", str(saves), "--save-interval", "3", cp=2))
+    first = _losses(runs)
+    _assert_close(first, reference, 1e-5)
+    _assert_close(_validation(runs), _validation(reference_run), 1e-5)
+    from_three = stopped_at(saves, 3, tmp_path / "at3")
+    resumed = _losses(run_ranks(2, run_pretrain, _argv("--load", str(from_three), cp=2)))
+    assert resumed == {i: first[i] for i in range(4, ITERS + 1)}
+    at_cp1 = _losses(run_ranks(1, run_pretrain, _argv("--load", str(from_three))))
+    _assert_close(at_cp1, {i: reference[i] for i in range(4, ITERS + 1)}, 1e-5)
+
+
+def test_cp2_ulysses_gives_the_cp1_curve(reference):
+    _assert_close(_losses(run_ranks(2, run_pretrain, _argv("--cp-comm-type", "a2a", cp=2))), reference, 1e-5)
+
+
+def test_cp2_ring_attention_through_the_npu_provider_gives_the_cp1_curve(reference):
+    """The npu provider over the torch_npu double: the ring's blocks on npu_fusion_attention and its grad,
+    merged by npu_ring_attention_update (tests/test_context_parallel.py counts the calls), give the torch
+    provider's CP1 curve."""
+    runs = run_ranks(2, run_pretrain_printing, _argv(cp=2), env=NPU_DOUBLE)
+    assert "kernels from the npu provider" in runs[0]["stdout"], runs[0]["stdout"][-2000:]
+    _assert_close(_losses(runs), reference, 1e-5)
+
+
+def test_tp2_by_cp2_gives_the_cp1_curve(reference):
+    """Four ranks, sequence parallel: each rank holds 16 tokens of a sequence, 8 of them in the
+    sequence-parallel regions. Ring attention (one query group a TP rank cannot be spread by Ulysses)."""
+    curve = _losses(run_ranks(4, run_pretrain, _argv("--sequence-parallel", tp=2, cp=2)))
+    _assert_close(curve, reference, 1e-4)
