@@ -83,3 +83,27 @@ def test_what_the_cp_attention_does_not_cover_is_refused_before_any_communicatio
                              cu_seqlens_kv_padded=cu) if what == "thd" else None
     with pytest.raises(UnsupportedKernelSetting, match=message):
         module(q, q, q, mask, packed_seq_params=packed)
+
+
+@pytest.mark.cuda
+def test_the_cuda_providers_ring_blocks_on_sdpas_flash_kernel_equal_the_math():
+    """On a GPU in bf16: the cuda provider's blocks (SDPA's flash kernel with its log-sum-exp, and its
+    backward fed the global statistics) against the torch provider's math on the same tensors."""
+    import torch
+
+    from adapter.kernels import cuda_provider, torch_provider
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    for causal in (True, False):
+        out, lse = cuda_provider.attention_with_lse(q, k, v, scale=0.125, causal=causal)
+        ref_out, ref_lse = torch_provider.attention_with_lse(q, k, v, scale=0.125, causal=causal)
+        torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-3)
+        grads = cuda_provider.attention_grad_from_lse(dout, q, k, v, ref_out, ref_lse, scale=0.125, causal=causal)
+        reference = torch_provider.attention_grad_from_lse(dout, q, k, v, ref_out, ref_lse, scale=0.125, causal=causal)
+        for ours, theirs in zip(grads, reference):
+            assert ours.shape == theirs.shape
+            torch.testing.assert_close(ours.float(), theirs.float(), atol=5e-2, rtol=5e-2)

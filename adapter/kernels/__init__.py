@@ -86,11 +86,8 @@ def core_attention_module(provider: ModuleType | None = None) -> type:
     installed = provider.installed_core_attention()
     if installed is not None:
         return installed
-    # ring attention's blocks: the provider's, or the torch provider's (device-neutral math off the CPU)
-    blocks = provider if hasattr(provider, "attention_with_lse") else importlib.import_module(
-        "adapter.kernels.torch_provider")
     return type(f"{provider.NAME.capitalize()}CoreAttention", (CoreAttention,),
-                {"attention": staticmethod(provider.attention), "kernels": blocks, "__module__": __name__})
+                {"attention": staticmethod(provider.attention), "kernels": provider, "__module__": __name__})
 
 
 @functools.lru_cache(maxsize=None)

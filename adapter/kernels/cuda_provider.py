@@ -105,6 +105,40 @@ def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=N
                                        scale, causal, window, dropout_p)
 
 
+def _sdpa_flash_with_lse(q) -> bool:
+    """PyTorch's own flash-attention kernel (SDPA's), which hands back the rows' log-sum-exp, takes fp16 /
+    bf16 CUDA tensors with a head size that is a multiple of 8, at most 256."""
+    d = q.shape[-1]
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
+
+
+def attention_with_lse(q, k, v, *, scale, causal):
+    """Ring attention's block (the contract of ``torch_provider.attention_with_lse``) on SDPA's flash kernel
+    where it runs, else the torch provider's. With Transformer Engine installed megatron's own TE attention
+    does context parallelism and this is not used."""
+    if not _sdpa_flash_with_lse(q):
+        return torch_provider.attention_with_lse(q, k, v, scale=scale, causal=causal)
+    k, v = torch_provider.grouped_kv(k, v, q.shape[1])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)[:2]
+    return out, lse
+
+
+def attention_grad_from_lse(dout, q, k, v, out, lse, *, scale, causal):
+    """The block's gradients from the rows' global out and lse (``torch_provider.attention_grad_from_lse``)
+    on the flash kernel's backward, which rebuilds the softmax as exp(scores - lse); no packing and no
+    dropout, so its cumulative lengths and RNG state are empty."""
+    if not _sdpa_flash_with_lse(q):
+        return torch_provider.attention_grad_from_lse(dout, q, k, v, out, lse, scale=scale, causal=causal)
+    groups = k.shape[1]
+    k, v = torch_provider.grouped_kv(k, v, q.shape[1])
+    unused = torch.empty(0, dtype=torch.int64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
+        lse.float().contiguous(), unused, unused, q.shape[2], k.shape[2], 0.0, causal, unused, unused, scale=scale)
+    return dq, torch_provider.summed_over_groups(dk, groups), torch_provider.summed_over_groups(dv, groups)
+
+
 def _no_softmax_extension(self, mask, b, np, sq, sk) -> bool:
     """Without apex's scaled_masked_softmax_cuda extension megatron's availability check would import it
     and fail; use the torch softmax instead."""

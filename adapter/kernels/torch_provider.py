@@ -114,7 +114,7 @@ def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=N
     return per_sequence(_dense, q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, causal, window, dropout_p)
 
 
-def _grouped(k, v, heads: int):
+def grouped_kv(k, v, heads: int):
     """K/V repeated to ``heads`` heads: query head i reads key/value group i // (heads / groups)."""
     groups = k.shape[1]
     if groups == heads:
@@ -122,7 +122,7 @@ def _grouped(k, v, heads: int):
     return k.repeat_interleave(heads // groups, dim=1), v.repeat_interleave(heads // groups, dim=1)
 
 
-def _summed_over_groups(grad, groups: int):
+def summed_over_groups(grad, groups: int):
     b, heads, s, d = grad.shape
     return grad if heads == groups else grad.view(b, groups, heads // groups, s, d).sum(2)
 
@@ -145,7 +145,7 @@ def attention_with_lse(q, k, v, *, scale, causal):
     """One block of context-parallel attention and its rows' log-sum-exp: q [b, nq, sq, d], k/v
     [b, nkv, sk, d] -> out [b, nq, sq, d] (q's dtype), lse [b, nq, sq] float32; ``causal`` top-left aligned
     (sq == sk). The ring merges blocks by their lse (adapter/kernels/context_parallel.py)."""
-    k, v = _grouped(k, v, q.shape[1])
+    k, v = grouped_kv(k, v, q.shape[1])
     if _flash_cpu(q):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
@@ -159,7 +159,7 @@ def attention_grad_from_lse(dout, q, k, v, out, lse, *, scale, causal):
     softmax is exp(scores - lse)): summed over the blocks, the gradients of attention over all keys. dk/dv
     in k/v's head count."""
     groups = k.shape[1]
-    k, v = _grouped(k, v, q.shape[1])
+    k, v = grouped_kv(k, v, q.shape[1])
     if _flash_cpu(q):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous().to(q.dtype), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
@@ -170,7 +170,7 @@ def attention_grad_from_lse(dout, q, k, v, out, lse, *, scale, causal):
         dscores = probs * (torch.matmul(dout, v.float().transpose(-1, -2))
                            - (dout * out.float()).sum(-1, keepdim=True))
         dq, dk = torch.matmul(dscores, k.float()) * scale, torch.matmul(dscores.transpose(-1, -2), q.float()) * scale
-    return dq, _summed_over_groups(dk, groups), _summed_over_groups(dv, groups)
+    return dq, summed_over_groups(dk, groups), summed_over_groups(dv, groups)
 
 
 def per_sequence(dense, q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, causal, window, dropout_p):
