@@ -52,7 +52,6 @@ source "$ROOT/scripts/lib/cluster_launch.sh"
 cluster_defaults      # the other environment defaults and the collective libraries' settings
 require_data_env      # DATA_PATH and TOKENIZER_MODEL, unless DRY_RUN=1; DATA_PATH split into DATA
 
-# shellcheck disable=SC2054  # "--split 100,0,0" is one word, its commas are no array separators
 ARGS=(
     --model qwen3-235b-a22b
     --tensor-model-parallel-size 2
@@ -78,28 +77,8 @@ ARGS=(
     --max-position-embeddings 4096
     --micro-batch-size 1
     --global-batch-size 1024
-    --attention-dropout 0.0
-    --hidden-dropout 0.0
-    --init-method-std 0.01
-    --train-iters "$TRAIN_ITERS"
-    --lr 1.25e-6
-    --min-lr 1.25e-7
-    --lr-decay-style cosine
-    --lr-warmup-fraction 0.01
-    --weight-decay 0.1
-    --adam-beta1 0.9
-    --adam-beta2 0.95
-    --clip-grad 1.0
-    --seed 42
-    --data-path "${DATA[@]}"
-    --split 100,0,0
-    --tokenizer-type HuggingFaceTokenizer
-    --tokenizer-model "${TOKENIZER_MODEL:-UNSET_TOKENIZER_MODEL}"
-    --eval-interval 2000
-    --eval-iters 0
-    --log-interval 1
-    --distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES"
 )
 
 # + checkpoints, tensorboard and EXTRA_ARGS; DRY_RUN=1: print and exit, else the plan, then torchrun
+add_recipe_training_args   # the recipe's training settings, shared by the launchers
 launch_or_dry_run "${ARGS[@]}"

@@ -1,3 +1,4 @@
+#!/usr/bin/env bash
 # Qwen2.5-72B pretraining after MindSpeed-LLM's published recipes, at sequence length 4096 (default) or 32768:
 #
 #   SEQ_LENGTH=4096   the 4k recipe's layout: 4 nodes x 8 devices, TP 8 x PP 4 with 5 virtual stages of 4
@@ -59,7 +60,6 @@ esac
 cluster_defaults      # the other environment defaults and the collective libraries' settings
 require_data_env      # DATA_PATH and TOKENIZER_MODEL, unless DRY_RUN=1; DATA_PATH split into DATA
 
-# shellcheck disable=SC2054  # "--split 100,0,0" is one word, its commas are no array separators
 ARGS=(
     --model qwen2.5-72b
     "${LAYOUT[@]}"
@@ -71,28 +71,8 @@ ARGS=(
     --bf16
     --seq-length "$SEQ_LENGTH"
     --max-position-embeddings "$SEQ_LENGTH"
-    --attention-dropout 0.0
-    --hidden-dropout 0.0
-    --init-method-std 0.01
-    --train-iters "$TRAIN_ITERS"
-    --lr 1.25e-6
-    --min-lr 1.25e-7
-    --lr-decay-style cosine
-    --lr-warmup-fraction 0.01
-    --weight-decay 0.1
-    --adam-beta1 0.9
-    --adam-beta2 0.95
-    --clip-grad 1.0
-    --seed 42
-    --data-path "${DATA[@]}"
-    --split 100,0,0
-    --tokenizer-type HuggingFaceTokenizer
-    --tokenizer-model "${TOKENIZER_MODEL:-UNSET_TOKENIZER_MODEL}"
-    --eval-interval 2000
-    --eval-iters 0
-    --log-interval 1
-    --distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES"
 )
 
 # + checkpoints, tensorboard and EXTRA_ARGS; DRY_RUN=1: print and exit, else the plan, then torchrun
+add_recipe_training_args   # the recipe's training settings, shared by the launchers
 launch_or_dry_run "${ARGS[@]}"

@@ -129,3 +129,33 @@ launch_or_dry_run() {
     cluster_plan "${args[@]}"
     exec "${launch[@]}"
 }
+
+# MindSpeed-LLM's Qwen pretraining settings every launcher here shares (dropout off, init std, the LR
+# schedule, AdamW, clipping, seed, data, tokenizer, logging), appended to the script's ARGS after its own;
+# call it after require_data_env, which gives DATA.
+add_recipe_training_args() {
+    # shellcheck disable=SC2054  # "--split 100,0,0" is one word, its commas are no array separators
+    ARGS+=(
+        --attention-dropout 0.0
+        --hidden-dropout 0.0
+        --init-method-std 0.01
+        --train-iters "$TRAIN_ITERS"
+        --lr 1.25e-6
+        --min-lr 1.25e-7
+        --lr-decay-style cosine
+        --lr-warmup-fraction 0.01
+        --weight-decay 0.1
+        --adam-beta1 0.9
+        --adam-beta2 0.95
+        --clip-grad 1.0
+        --seed 42
+        --data-path "${DATA[@]}"
+        --split 100,0,0
+        --tokenizer-type HuggingFaceTokenizer
+        --tokenizer-model "${TOKENIZER_MODEL:-UNSET_TOKENIZER_MODEL}"
+        --eval-interval 2000
+        --eval-iters 0
+        --log-interval 1
+        --distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES"
+    )
+}
