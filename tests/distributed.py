@@ -12,10 +12,14 @@ checks the sources).
 Importing torch, the adapter and megatron costs a rank about 8 s of CPU, more than most rank functions
 run. So ``run_ranks`` forks its ranks from an interpreter that has imported them once (a zygote), one per
 environment the ranks run in apart from torchrun's variables: the adapter reads the backend, the kernel
-provider and PYTHONPATH at import, so ranks of another environment get a zygote of their own. Where a
-zygote cannot import (a device backend this machine lacks), the ranks are fresh interpreters. A forked
+provider and PYTHONPATH at import, so ranks of another environment get a zygote of their own. A forked
 rank is a fresh process in every other respect: its own pid, environment, process groups and log, and an
 exit status read by the zygote.
+
+Only CPU ranks are forked. Choosing a cuda or npu backend asks the driver for its devices, and a process
+that has asked cannot fork a child that uses the device ("Cannot re-initialize CUDA in forked
+subprocess"). So the zygote says which backend its import chose; where that is an accelerator, or where
+the zygote cannot import (a device backend this machine lacks), the ranks are fresh interpreters.
 """
 
 from __future__ import annotations
@@ -169,16 +173,20 @@ class _Zygote:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.distributed", "--zygote"], env=env, cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True)
-        self.ready = self.proc.stdout.readline().strip() == "ready"
+        word, _, backend = self.proc.stdout.readline().strip().partition(" ")
+        # an accelerator backend has asked the driver for its devices: its forks could not use the device
+        self.ready = word == "ready" and backend == "cpu"
+        if word == "ready" and not self.ready:
+            self.close()
 
     @classmethod
     def serving(cls, env: dict) -> _Zygote | None:
         """The zygote for ranks with this environment (torchrun's variables aside), started on first use;
-        None where it cannot import there (e.g. a device backend this machine lacks): fresh interpreters
-        then, which report the import error in the rank's log."""
+        None where its ranks would use an accelerator, or where it cannot import (e.g. a device backend this
+        machine lacks): fresh interpreters then, which report an import error in the rank's log."""
         key = tuple(sorted((k, v) for k, v in env.items() if k not in _PER_RANK))
         zygote = cls._started.pop(key, None)
-        if zygote is None or (zygote.ready and zygote.proc.poll() is not None):  # one that could not import stays
+        if zygote is None or (zygote.ready and zygote.proc.poll() is not None):  # one that cannot fork stays
             zygote = cls(env)
         cls._started[key] = zygote  # the most recently used last
         while len(cls._started) > cls._KEPT:
@@ -199,13 +207,16 @@ class _Zygote:
 
 
 def _zygote() -> None:
-    """Import once, then fork a rank per request on stdin (answering its pid), reap the ranks and write
-    each one's exit status next to its log. Ends when stdin closes."""
+    """Import once, say which backend the import chose, then fork a rank per request on stdin (answering its
+    pid), reap the ranks and write each one's exit status next to its log. Ends when stdin closes."""
     import importlib
 
     for name in _PRELOAD:
         importlib.import_module(name)
-    print("ready", flush=True)
+    backend = importlib.import_module("adapter").current_backend().name
+    if backend == "cpu":
+        _probe_cpu_vector_isa()
+    print("ready", backend, flush=True)
     ranks: dict[int, Path] = {}
     while True:
         readable, _, _ = select.select([sys.stdin], [], [], 0.02)
@@ -223,6 +234,16 @@ def _zygote() -> None:
         print(pid, flush=True)
     for pid in ranks:
         os.kill(pid, signal.SIGKILL)
+
+
+def _probe_cpu_vector_isa() -> None:
+    """torch.compile on the CPU first asks which vector instructions its C++ builds can use, by building
+    and loading a probe per candidate in subprocesses (about 1 s); the answer is cached per process. Asked
+    once here, every forked rank that compiles (the torch provider's RMSNorm, megatron's fused functions)
+    inherits it."""
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list()
 
 
 def _reap(ranks: dict) -> None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.distributed import RankFailure, run_ranks
+
+DOUBLES = Path(__file__).resolve().parent / "doubles"
 
 pytestmark = pytest.mark.multiproc
 
@@ -25,6 +28,12 @@ def describe_rank() -> dict:
             "stdout": sys.stdout.fileno()}
 
 
+def parent_and_backend() -> dict:
+    import adapter
+
+    return {"parent": os.getppid(), "backend": adapter.current_backend().name}
+
+
 def fail_on_rank_one() -> None:
     if os.environ["RANK"] == "1":
         raise ValueError("rank one says no")
@@ -40,3 +49,20 @@ def test_ranks_are_separate_processes_with_their_own_environment():
 def test_a_failing_rank_raises_with_its_traceback():
     with pytest.raises(RankFailure, match="(?s)rank 1 of 2 failed.*ValueError: rank one says no"):
         run_ranks(2, fail_on_rank_one)
+
+
+# Imported at every interpreter's start-up from PYTHONPATH: an "npu" device that torch reports (as
+# torch_npu registers it), so with the torch_npu double the adapter chooses a real accelerator backend
+NPU_DEVICE_SITECUSTOMIZE = "import npu_device\nnpu_device.register()\n"
+
+
+def test_only_cpu_ranks_are_forked_and_accelerator_ranks_start_fresh(tmp_path):
+    """A process that chose a cuda or npu backend has asked the driver for its devices, and its forks
+    cannot use the device: such ranks are fresh interpreters, children of the test process, while CPU
+    ranks fork from the zygote. An npu device stand-in with the torch_npu double stands for any accelerator."""
+    (tmp_path / "sitecustomize.py").write_text(NPU_DEVICE_SITECUSTOMIZE)
+    cpu = run_ranks(2, parent_and_backend)
+    npu = run_ranks(2, parent_and_backend, env={"ADAPTER_BACKEND": "npu",
+                                                 "PYTHONPATH": os.pathsep.join([str(tmp_path), str(DOUBLES)])})
+    assert {r["backend"] for r in cpu} == {"cpu"} and os.getpid() not in {r["parent"] for r in cpu}
+    assert {r["backend"] for r in npu} == {"npu"} and {r["parent"] for r in npu} == {os.getpid()}
