@@ -39,7 +39,9 @@ setup(
         # torch by hand (pip install torch-npu==<torch version>) on NPU machines only.
         "npu": ["pyyaml"],
         # NVIDIA apex is built from source (github.com/NVIDIA/apex); Transformer Engine is optional.
-        "cuda": ["pyyaml"],
+        # Liger-Kernel: Triton RMSNorm/SwiGLU the cuda provider picks up when installed (ADAPTER_CUDA_FUSED);
+        # --no-deps keeps it from replacing torch (it asks only for torch and triton, which CUDA torch brings).
+        "cuda": ["pyyaml", "liger-kernel>=0.8.5"],
         # Megatron-LM's training code and its unit tests (scripts/run_megatron_tests.py): six for its
         # tokenizers; requests and click for the data-download helper its conftest imports; pytest-mock
         # and mock for tests that import them; einops for HyperCommGrid and parallel_state; nvtx for

@@ -226,7 +226,10 @@ def kernel_section() -> dict:
         return {"kernel_provider": {"name": None, "why": _error(exc)}, "kernels": {}}
     why = (f"{kernels.KERNELS_ENV}={requested}" if requested
            else f"default for the {_backend.current().name} backend, {kernels.KERNELS_ENV} unset")
-    return {"kernel_provider": {"name": provider.NAME, "why": why}, "kernels": kernel_rows(provider)}
+    provider_row = {"name": provider.NAME, "why": why}
+    if hasattr(provider, "FUSED"):  # the cuda provider's RMSNorm/RoPE/SwiGLU switch
+        provider_row["fused_elementwise"] = f"{provider.FUSED} ({provider.FUSED_WHY})"
+    return {"kernel_provider": provider_row, "kernels": kernel_rows(provider)}
 
 
 def kernel_rows(provider: ModuleType) -> dict[str, dict]:
@@ -317,10 +320,13 @@ def kernel_summary() -> str:
     section = kernel_section()
     ops = ", ".join(f"{op} {_short(row['implementation'])}" for op, row in section["kernels"].items())
     adam = f"{optimizers.Adam.__module__}.{optimizers.Adam.__qualname__}"
-    fused = " (fused on CPU, the adapter's)" if adam.startswith("torch.") and _backend.current().name == "cpu" else ""
+    fused = (" (fused, the adapter's)" if adam.startswith("torch.") and _backend.current().name in ("cpu", "cuda")
+             and os.environ.get("ADAPTER_FUSED_ADAM") != "0" else "")
     backend = _backend.current()
+    elementwise = section["kernel_provider"].get("fused_elementwise")
+    elementwise = f" (RMSNorm/RoPE/SwiGLU: {elementwise})" if elementwise else ""
     return (f"[adapter] backend {backend.name} ({backend.dist_backend}); kernels from the "
-            f"{section['kernel_provider']['name']} provider: {ops}; optimizer {adam}{fused}")
+            f"{section['kernel_provider']['name']} provider{elementwise}: {ops}; optimizer {adam}{fused}")
 
 
 def _short(implementation: str | None) -> str:
@@ -411,6 +417,8 @@ def render(data: dict) -> str:
         lines.append(f"  {row['package']:<8} imported as {row['imported as']} from {row['path']}{shadow}")
     provider = data["kernel_provider"]
     lines += ["", f"kernels: provider {provider['name']} ({provider['why']})"]
+    if provider.get("fused_elementwise"):
+        lines.append(f"  RMSNorm/RoPE/SwiGLU kernels: {provider['fused_elementwise']}")
     for op, row in data["kernels"].items():
         lines.append(f"  {op:<15} {row['implementation']}")
         lines.append(f"  {'':<15} why: {row['why']}")

@@ -10,15 +10,20 @@ weights, in one process, interleaved rounds:
   ``moe_grouped_gemm=True`` gets, once per torch implementation of the grouped GEMM (``loop``: the torch
   provider's, one GEMM per expert on the weights as they are, into slices of one output; ``cat``: the same
   loop composed from autograd ops, outputs concatenated; ``stacked``: torch's grouped GEMM over the
-  stacked weights; on
+  stacked weight parameter; on
   ``--device cuda`` in bfloat16, ``cuda``: the cuda provider's choice, which is what the flow runs there).
 
 ``flow``: tokens/s of the pretrain flow (megatron-core GPTModel with MoE layers, DDP, Adam; --mock-data)
-against transformers' ``Qwen3MoeForCausalLM`` of the same configuration (experts one by one in a Python
-loop, its own implementation), each in a fresh interpreter taking turns, one process (float32 on the CPU,
-bfloat16 on a GPU). Goal: flow / transformers >= 1.2.
+against transformers' ``Qwen3MoeForCausalLM`` of the same configuration (its own experts implementation:
+torch's grouped_mm in transformers 5), each in a fresh interpreter taking turns, one process. Same
+precision regime on both sides: float32 on the CPU; on a GPU bf16 mixed precision, i.e. the flow's
+``--bf16`` (bf16 compute, float32 main weights in the optimizer) against float32 weights under
+``torch.autocast(bfloat16)`` with fused AdamW, as transformers' Trainer runs ``bf16=True``. Shapes
+(``--shape``): ``small`` (8 experts top-2, hidden 512) and ``qwen3-30b-a3b`` (two layers of
+Qwen3-30B-A3B: hidden 2048, 32 heads / 4 groups of 128, 128 experts top-8, expert FFN 768, seq 4096,
+micro-batch 1). Goal: flow / transformers >= 1.5 on a GPU.
 
-Usage: python bench/moe.py [experts|flow|all] [--rounds 3] [--device cpu|cuda]
+Usage: python bench/moe.py [experts|flow|all] [--rounds 3] [--device cpu|cuda] [--shape small|qwen3-30b-a3b]
 """
 
 from __future__ import annotations
@@ -37,9 +42,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# A small Qwen3-MoE-like shape: 8 experts, top-2, GEMM-bound on a CPU
-MOE = dict(num_layers=2, hidden_size=512, moe_ffn_hidden_size=512, num_experts=8, topk=2, heads=8, groups=4,
-           head_dim=64, vocab_size=4096, seq_length=512, micro_batch=2)
+SHAPES = {
+    # a small Qwen3-MoE-like shape: 8 experts, top-2, GEMM-bound on a CPU
+    "small": dict(num_layers=2, hidden_size=512, moe_ffn_hidden_size=512, num_experts=8, topk=2, heads=8,
+                  groups=4, head_dim=64, vocab_size=4096, seq_length=512, micro_batch=2),
+    # two of Qwen3-30B-A3B's layers (its config.json), its vocabulary, seq 4096
+    "qwen3-30b-a3b": dict(num_layers=2, hidden_size=2048, moe_ffn_hidden_size=768, num_experts=128, topk=8,
+                          heads=32, groups=4, head_dim=128, vocab_size=151936, seq_length=4096, micro_batch=1),
+}
+MOE = dict(SHAPES["small"])
+_SHAPE = ["small"]  # the name of the shape MOE holds
 
 
 def _expert_layers(tokens: int):
@@ -77,18 +89,20 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def concatenated_grouped_mm(x, weights, m_splits):
+def concatenated_grouped_mm(x, weight, tokens_per_expert):
     """The per-expert loop composed from autograd ops, the torch provider's before it wrote its GEMMs into
     one output: the experts' outputs concatenated in forward, the split's gradients in backward."""
-    return torch.cat([torch.nn.functional.linear(rows, weight) for rows, weight in zip(x.split(m_splits), weights)])
+    rows = x.split(torch.as_tensor(tokens_per_expert).tolist())
+    return torch.cat([torch.nn.functional.linear(part, expert) for part, expert in zip(rows, weight)])
 
 
-def stacked_grouped_mm(x, weights, m_splits):
+def stacked_grouped_mm(x, weight, tokens_per_expert):
     """The candidate to the torch provider's per-expert loop: one call of torch's grouped GEMM over the
-    stacked weights. Float32 only: on the CPU torch 2.13's kernel drops bf16/fp16 gradients (they come
-    back None), and it needs rows of whole 16-byte multiples and contiguous incoming gradients."""
-    ends = torch.tensor(m_splits, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
-    return torch.nn.functional.grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=ends)
+    stacked weight [E, out, in], read in place. Float32 only: on the CPU torch 2.13's kernel drops bf16/fp16
+    gradients (they come back None), and it needs rows of whole 16-byte multiples and contiguous incoming
+    gradients."""
+    ends = torch.as_tensor(tokens_per_expert, device=x.device).cumsum(0, dtype=torch.int32)
+    return torch.nn.functional.grouped_mm(x, weight.transpose(1, 2), offs=ends)
 
 
 def _step_seconds(experts, rows, splits, probs) -> float:
@@ -157,7 +171,8 @@ def _flow_argv(iters: int, warmup: int) -> list[str]:
     m = MOE
     return ["--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
             "--ffn-hidden-size", str(m["moe_ffn_hidden_size"]), "--num-attention-heads", str(m["heads"]),
-            "--group-query-attention", "--num-query-groups", str(m["groups"]),
+            "--group-query-attention", "--num-query-groups", str(m["groups"]), "--kv-channels", str(m["head_dim"]),
+            "--qk-layernorm",
             "--max-position-embeddings", str(m["seq_length"]), "--seq-length", str(m["seq_length"]),
             "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--disable-bias-linear",
             "--position-embedding-type", "rope", "--rotary-base", "1000000",
@@ -172,22 +187,28 @@ def _flow_argv(iters: int, warmup: int) -> list[str]:
             *(["--bf16"] if _dtype() == torch.bfloat16 else [])]
 
 
-def run_flow(iters: int, warmup: int) -> float:
-    """tokens/s of the pretrain flow over ``iters`` iterations after ``warmup`` (its own log's rates)."""
+def run_flow(iters: int, warmup: int, profile: str | None) -> float:
+    """tokens/s of the pretrain flow over ``iters`` iterations after ``warmup`` (its own log's rates); with
+    ``profile``, a torch.profiler table of the measured iterations there (bench/gpu_train.py's clock)."""
     import adapter  # noqa: F401 - before megatron
     from megatron.core.enums import ModelType
 
-    from adapter.training.pretrain import pretrain
+    from adapter.training import pretrain as flow
+    from bench.gpu_train import StepClock
     from scripts.pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
 
-    history = pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                       forward_step, argv=_flow_argv(iters, warmup))
+    clock = StepClock(_device().type, warmup, profile)
+    flow.train_step = clock(flow.train_step)
+    history = flow.pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
+                            forward_step, argv=_flow_argv(iters, warmup))
+    clock.finish()
     measured = [entry["tokens_per_second"] for entry in history["train"] if entry["iteration"] > warmup]
     return len(measured) / sum(1 / rate for rate in measured)
 
 
-def run_transformers(iters: int, warmup: int) -> float:
-    """tokens/s of ``Qwen3MoeForCausalLM`` trained as its Trainer does by default (fused AdamW, clip 1.0)."""
+def run_transformers(iters: int, warmup: int, profile: str | None) -> float:
+    """tokens/s of ``Qwen3MoeForCausalLM`` trained as its Trainer does (fused AdamW, clip 1.0; on a GPU
+    ``bf16=True``: float32 weights, the forward under bf16 autocast)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     m = MOE
@@ -199,28 +220,35 @@ def run_transformers(iters: int, warmup: int) -> float:
                             max_position_embeddings=m["seq_length"], rope_theta=1e6, rms_norm_eps=1e-6,
                             tie_word_embeddings=False, router_aux_loss_coef=0.001, output_router_logits=True)
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).to(_device(), _dtype()).train()
+    model = Qwen3MoeForCausalLM(config).to(_device()).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    autocast = torch.autocast(_device().type, torch.bfloat16, enabled=_dtype() == torch.bfloat16)
     tokens = torch.randint(0, m["vocab_size"], (m["micro_batch"], m["seq_length"] + 1), device=_device())
-    times = []
-    for step in range(warmup + iters):
-        _sync()
-        start = time.perf_counter()
+    from bench.gpu_train import StepClock
+
+    def train_step():
         optimizer.zero_grad(set_to_none=True)
-        model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss.backward()
+        with autocast:
+            loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        _sync()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-    return m["micro_batch"] * m["seq_length"] * iters / sum(times)
+
+    clock = StepClock(_device().type, warmup, profile)
+    step = clock(train_step)
+    for _ in range(warmup + iters):
+        step()
+    clock.finish()
+    return m["micro_batch"] * m["seq_length"] * iters / sum(clock.seconds)
 
 
-def _child(kind: str, iters: int, warmup: int) -> float:
+def _child(kind: str, iters: int, warmup: int, profile: str | None) -> float:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "ADAPTER_BACKEND": _device().type}
-    shape = ["--experts", str(MOE["num_experts"]), "--topk", str(MOE["topk"]),
+    shape = ["--shape", _SHAPE[0], "--experts", str(MOE["num_experts"]), "--topk", str(MOE["topk"]),
              "--expert-ffn", str(MOE["moe_ffn_hidden_size"])]
+    if profile:
+        shape += ["--profile", str(Path(profile) / f"moe-{_SHAPE[0]}-{kind}.txt")]
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--child", kind, "--iters", str(iters),
                            "--warmup", str(warmup), *shape], cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -229,12 +257,15 @@ def _child(kind: str, iters: int, warmup: int) -> float:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def bench_flow(rounds: int, iters: int, warmup: int) -> dict:
+def bench_flow(rounds: int, iters: int, warmup: int, profile: str | None) -> dict:
+    """Rates per kind, the kinds taking turns; with ``profile`` (a folder) the last round's runs are
+    profiled, the others untouched by the profiler."""
     kinds = ("flow", "transformers")
     results = {kind: [] for kind in kinds}
     for round_ in range(rounds):
+        last = profile if round_ == rounds - 1 else None
         for kind in (kinds if round_ % 2 == 0 else kinds[::-1]):
-            results[kind].append(_child(kind, iters, warmup))
+            results[kind].append(_child(kind, iters, warmup, last))
     return results
 
 
@@ -242,13 +273,15 @@ def print_flow(results: dict, iters: int, warmup: int) -> None:
     best = {kind: max(rates) for kind, rates in results.items()}
     median = {kind: statistics.median(rates) for kind, rates in results.items()}
     where = torch.cuda.get_device_name() if _device().type == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"flow vs transformers: {MOE}, {_dtype()}, {warmup} warm-up + {iters} measured iterations, "
+    regime = ("bf16 mixed precision both sides (flow --bf16 with float32 main weights; transformers float32 "
+              "weights under bf16 autocast)" if _dtype() == torch.bfloat16 else "float32 both sides")
+    print(f"flow vs transformers: {_SHAPE[0]} {MOE}, {regime}, {warmup} warm-up + {iters} measured iterations, "
           f"{len(results['flow'])} rounds, torch {torch.__version__}, {where}")
     print(f"{'run':<14} {'tokens/s':>9} {'/ transformers':>15} {'(medians)':>10}   all rounds (tokens/s)")
     for kind in results:
         print(f"{kind:<14} {best[kind]:9.1f} {best[kind] / best['transformers']:15.3f} "
               f"{median[kind] / median['transformers']:10.3f}   {', '.join(f'{r:.1f}' for r in results[kind])}")
-    print("goal: flow / transformers >= 1.2")
+    print("goal on a GPU: flow / transformers >= 1.5")
 
 
 def main(argv=None) -> None:
@@ -256,27 +289,36 @@ def main(argv=None) -> None:
     parser.add_argument("what", nargs="?", choices=["experts", "flow", "all"], default="all")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens routed to the experts (x top-k rows)")
-    parser.add_argument("--experts", type=int, default=MOE["num_experts"], help="how many experts (both parts)")
-    parser.add_argument("--topk", type=int, default=MOE["topk"], help="experts per token (both parts)")
-    parser.add_argument("--expert-ffn", type=int, default=MOE["moe_ffn_hidden_size"], help="expert FFN (both parts)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small", help="the model's shape (both parts)")
+    parser.add_argument("--experts", type=int, help="how many experts (default: the shape's)")
+    parser.add_argument("--topk", type=int, help="experts per token (default: the shape's)")
+    parser.add_argument("--expert-ffn", type=int, help="expert FFN (default: the shape's)")
     parser.add_argument("--repeats", type=int, default=3, help="steps per round; the best counts")
     parser.add_argument("--iters", type=int, default=6, help="flow: measured iterations per run")
     parser.add_argument("--warmup", type=int, default=3, help="flow: warm-up iterations per run")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="where to run (sets ADAPTER_BACKEND; default cpu)")
+    parser.add_argument("--profile", help="flow: a folder for torch.profiler tables of the last round's runs "
+                                          "(in a child: the table's file)")
     parser.add_argument("--child", choices=["flow", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device:
         os.environ["ADAPTER_BACKEND"] = args.device
     os.environ.setdefault("ADAPTER_BACKEND", "cpu")
-    MOE.update(num_experts=args.experts, topk=args.topk, moe_ffn_hidden_size=args.expert_ffn)
+    _SHAPE[0] = args.shape
+    MOE.clear()
+    MOE.update(SHAPES[args.shape])
+    given = dict(num_experts=args.experts, topk=args.topk, moe_ffn_hidden_size=args.expert_ffn)
+    MOE.update({name: value for name, value in given.items() if value is not None})
     if args.child:
         run = run_flow if args.child == "flow" else run_transformers
-        print("RESULT " + json.dumps(run(args.iters, args.warmup)), flush=True)
+        print("RESULT " + json.dumps(run(args.iters, args.warmup, args.profile)), flush=True)
         return
     if args.what in ("experts", "all"):
         print_experts(bench_experts(args.rounds, args.tokens, args.repeats))
     if args.what in ("flow", "all"):
-        print_flow(bench_flow(args.rounds, args.iters, args.warmup), args.iters, args.warmup)
+        if args.profile:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+        print_flow(bench_flow(args.rounds, args.iters, args.warmup, args.profile), args.iters, args.warmup)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Each submodule registers one concern; ``adapter.registry.status(target)`` tells 
 """
 
 from . import (cuda_only, cuda_routing, dist_checkpointing_devices, distrib_optimizer_checkpoint, gloo_collectives,
-               host_offload, kernels, megatron_lm, moe, multi_tensor, process_groups, rng, torch_optimizers)
+               grad_accumulation, host_offload, kernels, megatron_lm, moe, multi_tensor, process_groups, rng,
+               torch_optimizers)
 
 CHECKED_MEGATRON_CORE = "==0.16.1"
 
@@ -13,5 +14,5 @@ CHECKED_MEGATRON_CORE = "==0.16.1"
 def register_all(registry) -> None:
     for concern in (cuda_routing, cuda_only, rng, torch_optimizers, distrib_optimizer_checkpoint,
                     dist_checkpointing_devices, gloo_collectives, host_offload, moe, multi_tensor, process_groups,
-                    kernels, megatron_lm):
+                    kernels, megatron_lm, grad_accumulation):
         concern.register(registry, CHECKED_MEGATRON_CORE)

@@ -5,6 +5,7 @@ backends.
 """
 
 import functools
+import os
 import sys
 
 import torch
@@ -46,18 +47,29 @@ def unshared_steps_after_load(load_state_dict):
 
     With torch's Adam, megatron gives every parameter's state the *same* ``step`` tensor; Adam adds 1
     to each parameter's step in place, so after a resume one iteration would advance the shared step
-    once per parameter and skew Adam's bias correction. Each parameter gets its own copy."""
+    once per parameter and skew Adam's bias correction. Each parameter gets its own copy, on the device
+    its group's kernel wants it (``_own_step``)."""
 
     @functools.wraps(load_state_dict)
     def load_optimizer_state_dict(self, state_dict):
         result = load_state_dict(self, state_dict)
         if _torch_optimizer_inside():
-            for state in self.optimizer.state.values():
-                if "step" in state:
-                    state["step"] = state["step"].clone()
+            for group in self.optimizer.param_groups:
+                on_device = bool(group.get("fused") or group.get("capturable"))
+                for param in group["params"]:
+                    state = self.optimizer.state.get(param, {})
+                    if "step" in state:
+                        state["step"] = _own_step(state["step"], param, on_device)
         return result
 
     return load_optimizer_state_dict
+
+
+def _own_step(step, param, on_device: bool):
+    """A copy of ``step`` where torch's Adam keeps it: a float32 scalar on the parameter's device for the
+    fused and capturable kernels (the fused CUDA kernel refuses a CPU step, and a checkpoint's step is
+    loaded on the CPU), on the CPU for foreach."""
+    return torch.as_tensor(step, dtype=torch.float32).to(param.device if on_device else "cpu", copy=True)
 
 
 def step_from_param_groups(set_states):
@@ -85,15 +97,16 @@ def step_from_param_groups(set_states):
 def fused_torch_adam(build):
     """Registry wrapper for ``_get_megatron_optimizer_based_on_param_groups``.
 
-    Megatron builds torch's Adam with torch's default, the foreach implementation; on the CPU torch's
-    fused kernel updates each tensor in one pass instead of a dozen foreach ops over all of them."""
+    Megatron builds torch's Adam with torch's default, the foreach implementation; torch's fused kernel
+    (CPU and CUDA, float32/float64/float16/bfloat16) updates each tensor in one pass instead of a dozen
+    foreach ops over all of them. ``ADAPTER_FUSED_ADAM=0`` keeps foreach (to measure the difference)."""
 
     @functools.wraps(build)
     def build_optimizer(*args, **kwargs):
         optimizer = build(*args, **kwargs)
         inner = getattr(optimizer, "optimizer", None)
-        if isinstance(inner, torch.optim.Adam) and all(
-                p.device.type == "cpu" and p.dtype in _FUSED_ADAM_DTYPES
+        if os.environ.get(FUSED_ADAM_ENV) != "0" and isinstance(inner, torch.optim.Adam) and all(
+                p.device.type in _FUSED_ADAM_DEVICES and p.dtype in _FUSED_ADAM_DTYPES
                 for group in inner.param_groups for p in group["params"]):
             for group in inner.param_groups:
                 group.update(fused=True, foreach=None)
@@ -103,7 +116,9 @@ def fused_torch_adam(build):
     return build_optimizer
 
 
+FUSED_ADAM_ENV = "ADAPTER_FUSED_ADAM"
 _FUSED_ADAM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_FUSED_ADAM_DEVICES = ("cpu", "cuda")  # where torch has the fused kernel (not NPU)
 
 
 def _torch_optimizers(optimizer):
@@ -186,8 +201,8 @@ def register(registry, versions: str) -> None:
                   learning_rate_set_later, versions=versions,
                   reason="torch's Adam and SGD refuse lr=None, which TE's and apex's Adam accept until a step")
     registry.wrap("megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups", fused_torch_adam,
-                  versions=versions, backends=("cpu",),
-                  reason="torch's Adam on CPU parameters runs its fused kernel, not the foreach default")
+                  versions=versions, backends=("cpu", "cuda"),
+                  reason="torch's Adam on CPU/CUDA parameters runs its fused kernel, not the foreach default")
     registry.wrap(f"{_DISTRIB}.state_dict", state_dict_before_first_step, versions=versions,
                   reason="with torch's Adam, state_dict() fails before the first step (no 'step' yet)")
     registry.wrap(f"{_DISTRIB}.load_state_dict", unshared_steps_after_load, versions=versions,

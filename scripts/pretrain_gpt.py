@@ -18,6 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a checkout
 
 import adapter  # noqa: E402,F401  - before megatron
+from adapter.training import compile_probe  # noqa: E402
+
+compile_probe.probe_in_background()  # torch.compile's CPU probe beside the imports below, not in iteration 1
+
 import torch  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.utils import get_attr_wrapped_model  # noqa: E402

@@ -45,6 +45,8 @@ REFUSED = [
     ([*TINY, "--context-parallel-size", "2"], 2,
      "--attention-dropout 0.1 with --context-parallel-size 2: the CP attention has no attention dropout"),
     ([*TINY, "--save-interval", "5"], 2, "--save-interval needs --save"),
+    ([*TINY, "--lr-warmup-iters", "1"], 2, "--lr-warmup-iters 1: must be fewer than the 1 decay iterations"),
+    ([*TINY, "--train-iters", "0"], 2, "--train-iters 0 without --lr-decay-iters: the LR schedule needs"),
     ([*TINY, "--tokenizer-type", "GPTSentencePieceTokenizer"], 2,
      "--tokenizer-type GPTSentencePieceTokenizer needs --tokenizer-model"),
     ([*TINY, "--kv-channels", "0"], 2, "--kv-channels 0: must be positive"),

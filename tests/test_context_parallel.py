@@ -98,11 +98,12 @@ def test_the_cuda_providers_ring_blocks_on_sdpas_flash_kernel_equal_the_math():
     k, v = (torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
     for causal in (True, False):
-        out, lse = cuda_provider.attention_with_lse(q, k, v, scale=0.125, causal=causal)
-        ref_out, ref_lse = torch_provider.attention_with_lse(q, k, v, scale=0.125, causal=causal)
+        out, lse, saved = cuda_provider.attention_with_lse(q, k, v, scale=0.125, causal=causal)
+        ref_out, ref_lse, _ = torch_provider.attention_with_lse(q, k, v, scale=0.125, causal=causal)
         torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-3)
-        grads = cuda_provider.attention_grad_from_lse(dout, q, k, v, ref_out, ref_lse, scale=0.125, causal=causal)
+        grads = cuda_provider.attention_grad_from_lse(dout, q, k, v, ref_out, ref_lse, scale=0.125, causal=causal,
+                                                      saved=saved)
         reference = torch_provider.attention_grad_from_lse(dout, q, k, v, ref_out, ref_lse, scale=0.125, causal=causal)
         for ours, theirs in zip(grads, reference):
             assert ours.shape == theirs.shape

@@ -306,27 +306,31 @@ def _check_moe_logs(printed: str, iterations: int, tensorboard) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_ep2_trains_logs_resumes_bit_exactly_and_loads_at_ep1_and_back(tmp_path):
+@pytest.mark.parametrize("experts", [(), ("--moe-grouped-gemm",)], ids=["sequential", "grouped"])
+def test_ep2_trains_logs_resumes_bit_exactly_and_loads_at_ep1_and_back(tmp_path, experts):
     """EP2 (x DP2 for the dense part) on 2 ranks: the loss falls and the lines carry the router losses and
     expert load; stopped at 4 and resumed, the curve is the uninterrupted one bit for bit; loaded on one
     rank (EP1, DP1: all 8 experts and the whole batch there), and from there back at EP2, it continues it up
-    to reduction order."""
+    to reduction order. ``grouped``: the same with the grouped experts (one parameter per projection, each
+    expert's tensors and Adam states checkpointed on their own)."""
     tensorboard, saved = tmp_path / "tensorboard", tmp_path / "saved"
     reference, printed = _logged(run_ranks(2, run_pretrain_printing, _argv(
         8, 2, 1, "--tensorboard-dir", str(tensorboard), "--moe-per-layer-logging", "--save", str(saved),
-        "--save-interval", "4")))
+        "--save-interval", "4", *experts)))
     assert sorted(reference) == list(range(1, 9)) and reference[8] < reference[1] - 0.3
     _check_moe_logs(printed, 8, tensorboard)
     checkpoints = stopped_at(saved, 4, tmp_path / "checkpoints")
-    resumed, printed = _logged(run_ranks(2, run_pretrain_printing, _argv(8, 2, 1, "--load", str(checkpoints))))
+    resumed, printed = _logged(run_ranks(2, run_pretrain_printing, _argv(8, 2, 1, "--load", str(checkpoints),
+                                                                         *experts)))
     assert f"loaded {checkpoints / 'iter_0000004'} (iteration 4)" in printed
     assert resumed == {i: reference[i] for i in range(5, 9)}
     # megatron gives the experts an optimizer of their own at EP > 1 only: the saved param groups are fitted
     at_ep1, printed = _logged(run_ranks(1, run_pretrain_printing, _argv(
-        8, 1, 1, "--load", str(checkpoints), "--save", str(tmp_path / "at_ep1"), "--exit-interval", "6")))
+        8, 1, 1, "--load", str(checkpoints), "--save", str(tmp_path / "at_ep1"), "--exit-interval", "6", *experts)))
     assert "RNG states not restored" in printed
     assert sorted(at_ep1) == [5, 6]
-    back_at_ep2, _ = _logged(run_ranks(2, run_pretrain_printing, _argv(8, 2, 1, "--load", str(tmp_path / "at_ep1"))))
+    back_at_ep2, _ = _logged(run_ranks(2, run_pretrain_printing, _argv(8, 2, 1, "--load", str(tmp_path / "at_ep1"),
+                                                                       *experts)))
     assert sorted(back_at_ep2) == [7, 8]
     for i, loss in {**at_ep1, **back_at_ep2}.items():
         assert loss == pytest.approx(reference[i], abs=2e-4)

@@ -10,10 +10,10 @@ from tests.kernel_reference import TOLERANCE, one_rank_model_parallel
 SPLITS = [3, 0, 5, 2]  # the second expert receives no token
 
 
-def _expert_weights(dtype, out_features=8, in_features=12):
+def _expert_weight(dtype, out_features=8, in_features=12):
+    """The experts' stacked weight [experts, out, in], as GroupedLinear holds it."""
     generator = torch.Generator().manual_seed(1)
-    return [torch.randn(out_features, in_features, generator=generator).to(dtype).requires_grad_()
-            for _ in SPLITS]
+    return torch.randn(len(SPLITS), out_features, in_features, generator=generator).to(dtype).requires_grad_()
 
 
 def _rowwise_reference(x, weights, splits):
@@ -23,13 +23,17 @@ def _rowwise_reference(x, weights, splits):
     return torch.bmm(per_row, x.double().unsqueeze(-1)).squeeze(-1)
 
 
+COUNTS = {"list": lambda: SPLITS, "tensor": lambda: torch.tensor(SPLITS)}  # how tokens_per_expert may come
+
+
+@pytest.mark.parametrize("counts", COUNTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_grouped_mm_equals_each_row_times_its_expert(provider, dtype):
+def test_grouped_mm_equals_each_row_times_its_expert(provider, dtype, counts):
     x = torch.randn(sum(SPLITS), 12, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
-    weights = _expert_weights(dtype)
+    weight = _expert_weight(dtype)
     ref_x = x.detach().double().requires_grad_()
-    ref_weights = [w.detach().double().requires_grad_() for w in weights]
-    out = provider.grouped_mm(x, weights, SPLITS)
+    ref_weights = [w.detach().double().requires_grad_() for w in weight.unbind(0)]
+    out = provider.grouped_mm(x, weight, COUNTS[counts]())
     want = _rowwise_reference(ref_x, ref_weights, SPLITS)
     assert out.dtype == dtype and out.shape == want.shape
     torch.testing.assert_close(out.double(), want, **TOLERANCE[dtype])
@@ -37,16 +41,42 @@ def test_grouped_mm_equals_each_row_times_its_expert(provider, dtype):
     out.backward(grad.to(dtype))
     want.backward(grad)
     torch.testing.assert_close(x.grad.double(), ref_x.grad, **TOLERANCE[dtype])
-    for got, ref in zip(weights, ref_weights):
-        torch.testing.assert_close(got.grad.double(), ref.grad, **TOLERANCE[dtype])
-    assert torch.count_nonzero(weights[1].grad) == 0
+    assert weight.grad.shape == weight.shape
+    for got, ref in zip(weight.grad, ref_weights):
+        torch.testing.assert_close(got.double(), ref.grad, **TOLERANCE[dtype])
+    assert torch.count_nonzero(weight.grad[1]) == 0
+
+
+def test_grouped_mm_refuses_counts_for_another_number_of_experts(provider):
+    with pytest.raises(ValueError, match=r"tokens_per_expert has 3 experts but the weight \(4, 8, 12\)"):
+        provider.grouped_mm(torch.randn(6, 12), _expert_weight(torch.float32), [2, 2, 2])
 
 
 def test_the_npu_grouped_matmul_is_what_runs_forward_and_backward(npu_kernels, torch_npu_double):
     """One grouped matmul forward, two backward (dx split M, dw split K): torch_npu's op has no autograd."""
     x = torch.randn(sum(SPLITS), 12, requires_grad=True)
-    npu_kernels.grouped_mm(x, _expert_weights(torch.float32), SPLITS).sum().backward()
+    npu_kernels.grouped_mm(x, _expert_weight(torch.float32), torch.tensor(SPLITS)).sum().backward()
     assert torch_npu_double.CALLS["npu_grouped_matmul"] == 3
+
+
+@pytest.mark.cuda
+def test_the_cuda_grouped_gemm_equals_the_torch_loop_on_a_gpu():
+    """torch's grouped GEMM (CUDA bfloat16, the stacked weight read in place, ``offs`` summed on the device
+    from counts already there) against the torch provider's GEMM per expert: outputs and gradients."""
+    from adapter.kernels import cuda_provider, torch_provider
+
+    splits = torch.tensor([40, 0, 72, 16], device="cuda")
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(int(splits.sum()), 64, generator=generator).cuda().bfloat16()
+    weight = torch.randn(len(splits), 32, 64, generator=generator).cuda().bfloat16()
+    results = []
+    for impl in (cuda_provider.grouped_mm, torch_provider.grouped_mm):
+        leaf_x, leaf_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = impl(leaf_x, leaf_w, splits)
+        out.backward(torch.ones_like(out))
+        results.append((out, leaf_x.grad, leaf_w.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, **TOLERANCE[torch.bfloat16])
 
 
 def _experts_config(bias: bool):
@@ -78,9 +108,9 @@ def _both_expert_layers(config):
         for i, expert in enumerate(sequential.local_experts):
             for name in ("linear_fc1", "linear_fc2"):
                 ours, theirs = getattr(grouped, name), getattr(expert, name)
-                getattr(ours, f"weight{i}").copy_(theirs.weight)
+                ours.weight[i].copy_(theirs.weight)
                 if config.add_bias_linear:
-                    getattr(ours, f"bias{i}").copy_(theirs.bias)
+                    ours.bias[i].copy_(theirs.bias)
     return grouped, sequential
 
 
@@ -107,7 +137,7 @@ def test_grouped_experts_equal_megatrons_sequential_experts():
         torch.testing.assert_close(outputs[0], outputs[1], **TOLERANCE[torch.float32])
         for i, expert in enumerate(sequential.local_experts):
             for name in ("linear_fc1", "linear_fc2"):
-                torch.testing.assert_close(getattr(grouped, name).get_parameter(f"weight{i}").grad,
+                torch.testing.assert_close(getattr(grouped, name).weight.grad[i],
                                            getattr(expert, name).weight.grad, **TOLERANCE[torch.float32])
 
 
@@ -120,9 +150,8 @@ def test_grouped_experts_with_biases_equal_megatrons_sequential_experts():
         with torch.no_grad():
             for i in range(len(SPLITS)):
                 for name in ("linear_fc1", "linear_fc2"):
-                    getattr(grouped, name).get_parameter(f"bias{i}").normal_()
-                    getattr(sequential.local_experts[i], name).bias.copy_(
-                        getattr(grouped, name).get_parameter(f"bias{i}"))
+                    getattr(grouped, name).bias[i].normal_()
+                    getattr(sequential.local_experts[i], name).bias.copy_(getattr(grouped, name).bias[i])
             tokens, probs = _tokens_and_probs()
             got, want = (experts(tokens, torch.tensor(SPLITS), probs)[0] for experts in (grouped, sequential))
         torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
@@ -151,6 +180,77 @@ def test_grouped_experts_checkpoint_under_sequential_experts_keys():
         assert mine == layout(sequential)
 
 
+def test_each_expert_projection_is_one_parameter():
+    """qwen3-moe-tiny with ``moe_grouped_gemm``: every MoE layer's experts are two parameters, fc1 [experts,
+    2 x ffn, hidden] and fc2 [experts, hidden, ffn], where megatron's SequentialMLP has two per expert; the
+    model's size is unchanged (the flavor's own count, which megatron's SequentialMLP build matches)."""
+    import models
+    from models.provider import build_model, transformer_config
+
+    model = models.get("qwen3-moe-tiny")
+    with one_rank_model_parallel(), torch.device("meta"):
+        gpt = build_model(model, transformer_config(model, perform_initialization=False, moe_grouped_gemm=True))
+    for layer in gpt.decoder.layers:
+        experts = dict(layer.mlp.experts.named_parameters())
+        assert {name: tuple(p.shape) for name, p in experts.items()} == {
+            "linear_fc1.weight": (model.num_experts, 2 * model.moe_ffn_hidden_size, model.hidden_size),
+            "linear_fc2.weight": (model.num_experts, model.hidden_size, model.moe_ffn_hidden_size)}
+    assert sum(p.numel() for p in gpt.parameters()) == model.num_parameters()
+
+
+def _sharded_without_extra_states(experts, prefix: str = "mlp.") -> dict:
+    """The experts' sharded state dict less SequentialMLP's (empty) extra states, which the grouped
+    layout has no counterpart for."""
+    sharded = experts.sharded_state_dict(prefix=prefix)
+    return {key: value for key, value in sharded.items() if not key.endswith("_extra_state")}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_a_checkpoint_moves_between_grouped_and_sequential_experts(tmp_path, bias):
+    """Saved with dist_checkpointing from one layout and loaded into the other, built from another seed:
+    the loaded experts give the saver's outputs exactly, both ways."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    with one_rank_model_parallel():
+        config = _experts_config(bias=bias)
+        saver = dict(zip(("grouped", "sequential"), _both_expert_layers(config)))
+        model_parallel_cuda_manual_seed(99)  # the loaders start from other weights
+        loader = dict(zip(("grouped", "sequential"), _both_expert_layers(config)))
+        tokens, probs = _tokens_and_probs()
+        with torch.no_grad():
+            for experts in (*saver.values(), *loader.values()):  # biases start at zero: make them count
+                for name, param in experts.named_parameters():
+                    if "bias" in name:
+                        param.normal_()
+            for source, target in (("grouped", "sequential"), ("sequential", "grouped")):
+                directory = tmp_path / f"{source}_to_{target}"
+                directory.mkdir()
+                want = saver[source](tokens, torch.tensor(SPLITS), probs)[0]
+                assert not torch.equal(loader[target](tokens, torch.tensor(SPLITS), probs)[0], want)
+                dist_checkpointing.save(_sharded_without_extra_states(saver[source]), str(directory))
+                state = dist_checkpointing.load(_sharded_without_extra_states(loader[target]), str(directory))
+                missing, unexpected = loader[target].load_state_dict(
+                    {key.removeprefix("mlp."): value for key, value in state.items()}, strict=False)
+                assert not unexpected and all(key.endswith("_extra_state") for key in missing)
+                torch.testing.assert_close(loader[target](tokens, torch.tensor(SPLITS), probs)[0], want,
+                                           rtol=0, atol=0)
+
+
+def test_a_plain_state_dict_of_per_expert_weights_still_loads():
+    """``weight{i}`` / ``bias{i}`` per local expert, as the grouped experts' plain state dicts held them
+    before one parameter per projection, load into the stacked parameters."""
+    with one_rank_model_parallel():
+        grouped, sequential = _both_expert_layers(_experts_config(bias=True))
+        fc2 = grouped.linear_fc2
+        old = {f"{name}{i}": getattr(expert.linear_fc2, name).detach() + 1
+               for i, expert in enumerate(sequential.local_experts) for name in ("weight", "bias")}
+        fc2.load_state_dict(old)
+        for i, expert in enumerate(sequential.local_experts):
+            assert torch.equal(fc2.weight[i], expert.linear_fc2.weight + 1)
+            assert torch.equal(fc2.bias[i], expert.linear_fc2.bias + 1)
+
+
 def test_grouped_experts_initialise_on_the_device_from_the_expert_rng():
     """With ``use_cpu_initialization=False`` (the flow's setting on an accelerator) each local expert is
     drawn in place on the device from the expert-parallel RNG, as megatron's device initialisation of
@@ -166,10 +266,10 @@ def test_grouped_experts_initialise_on_the_device_from_the_expert_rng():
         config = dataclasses.replace(_experts_config(bias=False), use_cpu_initialization=False)
         default_stream = get_cuda_rng_tracker().get_states()
         grouped, _ = _both_expert_layers(config)
-        weights = [getattr(grouped.linear_fc1, f"weight{i}") for i in range(len(SPLITS))]
-        assert {w.device for w in weights} == {device.torch_device()}
-        assert all(w.tensor_model_parallel and w.partition_dim == 0 for w in weights)
-        assert torch.stack(weights).std().item() == pytest.approx(config.init_method_std, rel=0.3)
+        weights = grouped.linear_fc1.weight  # [experts, out, in]: the sliced out dim is 1
+        assert weights.device == device.torch_device()
+        assert weights.tensor_model_parallel and weights.partition_dim == 1
+        assert weights.std().item() == pytest.approx(config.init_method_std, rel=0.3)
         assert not torch.equal(weights[0], weights[1])
         assert torch.equal(get_cuda_rng_tracker().get_states()["model-parallel-rng"],
                            default_stream["model-parallel-rng"])

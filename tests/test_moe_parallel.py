@@ -20,6 +20,7 @@ import torch
 
 from scripts.train_tiny_gpt import Run
 from tests.distributed import run_ranks
+from tests.grouped_experts_ranks import optimizer_round_trip, sharded_layouts
 from tests.moe_ranks import MOE, MoeRun, train
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -286,3 +287,29 @@ def test_moe_layer_freq_mixes_dense_and_moe_layers(ep2):
     per_layer = [logged[f"moe/load_balancing_loss_layer_{i}"] for i in range(4)]
     assert per_layer[1] == per_layer[3] == 0.0 and per_layer[0] > 0 and per_layer[2] > 0
     assert result["steps"][0]["totals"]["load_balancing_loss"] == pytest.approx((per_layer[0] + per_layer[2]) / 2)
+
+
+# ------------------------------------------------------------------------- the grouped experts' checkpoints
+def test_grouped_experts_checkpoint_as_megatrons_sequential_experts_at_ep2_tp2():
+    """At EP2 x expert-TP2 (4 ranks), each rank's grouped experts (one parameter per projection, biased,
+    gated) save exactly the tensors megatron's SequentialMLP saves there: keys, pieces, offsets in the
+    global tensors, replicas. Per rank: 4 local experts (8 global) x (fc1 weight and bias in gate and up
+    halves, fc2 weight and bias)."""
+    ranks = run_ranks(4, sharded_layouts, 2, 2)
+    for rank in ranks:
+        assert rank["grouped"] == rank["sequential"]
+        assert len(rank["grouped"]) == 4 * 6
+    assert len({tuple(rank["grouped"]) for rank in ranks}) == 4
+
+
+@pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
+def test_grouped_experts_and_their_optimizer_state_come_back_bit_exact_at_ep2(tmp_path, sharding):
+    """The distributed optimizer's checkpoint formats the flow uses, at EP2 with the grouped experts: it finds
+    each expert parameter in the model's sharded state dict (a factory, by the parameter's identity), and a
+    model and optimizer from another seed get every parameter and Adam state back bit for bit."""
+    moe = MoeRun(Run(steps=2, distributed_optimizer=True), 2,
+                 (("moe_grouped_gemm", True), ("moe_token_dispatcher_type", "alltoall")))
+    for rank in run_ranks(2, optimizer_round_trip, moe, str(tmp_path), sharding):
+        assert rank["differs_before"] and rank["params_equal"] and rank["optimizer_equal"]
+        assert rank["expert_params"] == [f"module.decoder.layers.{layer}.mlp.experts.linear_fc{n}.weight"
+                                         for layer in range(4) for n in (1, 2)]

@@ -230,7 +230,7 @@ def ring_forward(kernels, q, k, v, causal):
     qs, ks, vs = (t.chunk(2, dim=2) for t in (q, k, v))
     merged = {}
     for i, j, block_causal in ring_blocks(causal):
-        out, lse = kernels.attention_with_lse(qs[i], ks[j], vs[j], scale=SCALE, causal=block_causal)
+        out, lse, _ = kernels.attention_with_lse(qs[i], ks[j], vs[j], scale=SCALE, causal=block_causal)
         merged[i] = (out, lse) if i not in merged else kernels.merge_with_lse(*merged[i], out, lse)
     return [merged[i] for i in range(2)]
 
@@ -274,7 +274,8 @@ def test_ring_of_npu_blocks_equals_full_attention_and_its_gradients(npu_kernels,
 def test_attention_with_lse_is_the_blocks_logsumexp(npu_kernels):
     q, k, v = qkv(2)
     for causal in (False, True):
-        out, lse = npu_kernels.attention_with_lse(q, k, v, scale=SCALE, causal=causal)
+        out, lse, saved = npu_kernels.attention_with_lse(q, k, v, scale=SCALE, causal=causal)
+        assert saved is None
         want_out, want_lse = attention64(q, k, v, SCALE, causal)
         torch.testing.assert_close(out.double(), want_out, **TIGHT)
         torch.testing.assert_close(lse.double(), want_lse, **TIGHT)
@@ -296,7 +297,7 @@ def test_merge_with_lse_matches_the_torch_formula_and_leaves_its_inputs(npu_kern
 
 def test_low_precision_blocks_take_a_float32_global_out_and_return_the_inputs_dtype(npu_kernels):
     q, k, v = (t.bfloat16() for t in qkv(2))
-    out, lse = npu_kernels.attention_with_lse(q, k, v, scale=SCALE, causal=True)
+    out, lse, _ = npu_kernels.attention_with_lse(q, k, v, scale=SCALE, causal=True)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     grads = npu_kernels.attention_grad_from_lse(torch.randn(B, NQ, S, D), q, k, v, out.float(), lse,
                                                 scale=SCALE, causal=True)

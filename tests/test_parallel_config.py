@@ -193,3 +193,26 @@ def test_timeout_is_refused_before_the_process_group_starts(monkeypatch):
     with pytest.raises(ParallelConfigError, match="ADAPTER_DIST_TIMEOUT_MINUTES='abc'"):
         adapter.init_distributed()
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "npu"])
+def test_only_nccl_groups_are_bound_to_their_device_at_init(monkeypatch, name):
+    """On cuda, init_process_group gets the rank's device (NCCL connects at init and megatron's groups
+    are split from it); gloo has no device to bind, torch_npu's HCCL no eager connect to take one."""
+    import torch
+
+    from adapter import backend, device
+
+    started = {}
+    monkeypatch.setattr(backend, "current", lambda: backend.Backend(name))
+    monkeypatch.setattr(device, "device_count", lambda: 2)
+    monkeypatch.setattr(device, "set_device", lambda index: started.setdefault("set_device", index))
+    monkeypatch.setattr(device, "torch_device", lambda: torch.device(name, 1))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kwargs: started.update(kwargs))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    adapter.init_distributed()
+    assert started["backend"] == {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[name]
+    assert started.get("device_id") == (torch.device("cuda", 1) if name == "cuda" else None)
+    assert started.get("set_device") == (None if name == "cpu" else 1)

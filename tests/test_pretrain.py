@@ -36,6 +36,27 @@ def _losses(results: list[dict]) -> dict[int, float]:
     return curves[-1]
 
 
+def pretrain_and_list_imports(argv: list[str]) -> dict:
+    result = run_pretrain_printing(argv)
+    return {**result, "modules": sorted(sys.modules)}
+
+
+def test_the_launch_reports_its_time_to_the_first_iteration_by_phase():
+    """One line, printed once after the first iteration, counted from the process's start: the phases add
+    up to the total the line shows. A mock-data run
+    imports no Hugging Face code (its null tokenizer is the flow's own, not megatron-core's, whose
+    package imports transformers)."""
+    [result] = run_ranks(1, pretrain_and_list_imports, _argv(3))
+    lines = [line for line in result["stdout"].splitlines() if "time from launch" in line]
+    assert len(lines) == 1, result["stdout"][-3000:]
+    startup = result["startup"]
+    assert list(startup) == ["imports", "initialize", "model and optimizer", "data", "first iteration", "total"]
+    assert all(seconds >= 0 for seconds in startup.values())
+    assert startup["total"] == pytest.approx(sum(v for k, v in startup.items() if k != "total"))
+    assert f"{startup['total']:.1f} s" in lines[0]
+    assert "transformers" not in result["modules"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """TP2 x PP2 on 4 ranks, 12 iterations, saving every 6: the reference curve, and its checkpoints (a save

@@ -12,8 +12,9 @@ schemes its ``cp_comm_type`` names, over any kernel provider:
   block, for all its queries; from ``src > r`` the whole block, for its second chunk only. Every step is
   half a block of work or a causal block, whatever the rank. The backward runs the ring again, each K/V
   block travelling with its gradient, which is home after CP steps: activations stay O(S / CP) per rank.
-  The blocks run through the provider's ``attention_with_lse`` / ``attention_grad_from_lse``, and merge
-  through its ``merge_with_lse`` where it has one.
+  The blocks run through the provider's ``attention_with_lse`` / ``attention_grad_from_lse`` (each
+  step's backward fed what that step's forward kernel saved), and merge through its ``merge_with_lse``
+  where it has one.
 - ``a2a``, Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses"): an all-to-all trades the sequence split for a
   head split, each rank attends its heads over the whole sequence with the provider's plain ``attention``,
   and an all-to-all trades back. Query and key/value head counts (per TP rank) must divide by CP.
@@ -90,12 +91,14 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], -torch.inf, dtype=torch.float32, device=q.device)
         kv, merge = torch.stack([k, v]), getattr(kernels, "merge_with_lse", merge_with_lse)
+        ctx.saved_by_step = []  # what each step's kernel keeps for its backward (tiny: lengths, RNG state)
         for step in range(cp):
             pending = _shift(kv, group) if step < cp - 1 else None
             rows, keys, causal = _block((rank - step) % cp, rank, k.shape[2])
-            block_out, block_lse = kernels.attention_with_lse(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                                                              scale=scale, causal=causal)
+            block_out, block_lse, saved = kernels.attention_with_lse(
+                q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], scale=scale, causal=causal)
             out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            ctx.saved_by_step.append(saved)
             kv = _received(pending) if pending else kv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -115,7 +118,7 @@ class RingAttention(torch.autograd.Function):
             rows, keys, causal = _block((rank - step) % cp, rank, k.shape[2])
             gq, gk, gv = ctx.kernels.attention_grad_from_lse(
                 dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows],
-                lse[:, :, rows], scale=ctx.scale, causal=causal)
+                lse[:, :, rows], scale=ctx.scale, causal=causal, saved=ctx.saved_by_step[step])
             dq[:, :, rows] += gq
             dkv[0][:, :, keys] += gk
             dkv[1][:, :, keys] += gv

@@ -6,6 +6,11 @@
   without an explicit mask (GQA, causal, sliding window and packed sequences natively).
 - Otherwise ``scaled_dot_product_attention``, which picks its flash or memory-efficient kernel on CUDA
   and takes GQA unexpanded (``enable_gqa``).
+- RMSNorm, RoPE and SwiGLU without Transformer Engine: ``ADAPTER_CUDA_FUSED=liger|compile|eager``
+  (``fused_elementwise``) picks Liger-Kernel's Triton kernels, torch.compile'd regions or plain torch.
+- ``cross_entropy_loss_fusion`` without Transformer Engine: the adapter's one-function cross entropy
+  (adapter/kernels/cross_entropy.py: no float32 copy of the logits kept apart from the softmax it saves,
+  no host sync, no boolean-mask writes), where megatron's unfused one syncs the host on its masks.
 
 It also runs on CPU tensors (SDPA's CPU kernels), which is how its argument building is tested here.
 """
@@ -14,10 +19,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 
 import torch
 
-from adapter.kernels import UnsupportedKernelSetting, torch_provider
+from adapter import backend as _backend
+from adapter.kernels import KernelProviderUnavailable, UnsupportedKernelSetting, cross_entropy, torch_provider
 from adapter.kernels.norm import FusedNorm
 
 NAME = "cuda"
@@ -26,6 +33,9 @@ HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 HAVE_SOFTMAX_EXTENSION = importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
 HAVE_GROUPED_GEMM = importlib.util.find_spec("grouped_gemm") is not None
+HAVE_LIGER = importlib.util.find_spec("liger_kernel") is not None
+FUSED_ENV = "ADAPTER_CUDA_FUSED"
+FUSED_CHOICES = ("liger", "compile", "eager")
 
 
 def _te_module(name: str):
@@ -47,17 +57,36 @@ def installed_grouped_linear():
     return _te_module("TEColumnParallelGroupedLinear"), _te_module("TERowParallelGroupedLinear")
 
 
-def grouped_mm(x, weights, m_splits):
+def grouped_mm(x, weight, tokens_per_expert):
     """Without Transformer Engine: the ``grouped_gemm`` package's CUTLASS kernel when installed (what
     megatron's legacy GroupedMLP calls), else torch's grouped GEMM for CUDA bfloat16 (rows of whole
-    16-byte multiples), else one GEMM per expert."""
+    16-byte multiples), else one GEMM per expert. ``weight`` is the experts' stacked [E, out, in] parameter,
+    read in place; ``tokens_per_expert`` a list of ints or an int tensor."""
+    torch_provider.check_expert_counts(tokens_per_expert, weight)
     if x.is_cuda and HAVE_GROUPED_GEMM:
         gmm = importlib.import_module("grouped_gemm").ops.gmm
-        return gmm(x, torch.stack(weights), torch.tensor(m_splits), trans_b=True)
-    if x.is_cuda and x.dtype == torch.bfloat16 and not (x.shape[-1] % 8 or weights[0].shape[0] % 8):
-        ends = torch.tensor(m_splits, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
-        return torch.nn.functional.grouped_mm(x.contiguous(), torch.stack(weights).transpose(1, 2), offs=ends)
-    return torch_provider.grouped_mm(x, weights, m_splits)
+        return gmm(x, weight, _host_counts(tokens_per_expert), trans_b=True)
+    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16 and not (x.shape[-1] % 8 or weight.shape[1] % 8):
+        return torch.nn.functional.grouped_mm(x.contiguous(), weight.transpose(1, 2),
+                                              offs=_group_ends(tokens_per_expert, x.device))
+    return torch_provider.grouped_mm(x, weight, tokens_per_expert)
+
+
+def _host_counts(tokens_per_expert) -> torch.Tensor:
+    """grouped_gemm's ``batch_sizes``: int64 counts on the host, where its kernel reads them."""
+    if torch.is_tensor(tokens_per_expert):
+        return tokens_per_expert.to("cpu", torch.int64)
+    return torch.tensor(tokens_per_expert, dtype=torch.int64)
+
+
+def _group_ends(tokens_per_expert, device: torch.device) -> torch.Tensor:
+    """torch's grouped GEMM ``offs``: int32 cumulative row ends on the device, summed there. Counts
+    given as a list go up from pinned memory without blocking the host, as one copy of E ints."""
+    if torch.is_tensor(tokens_per_expert):
+        counts = tokens_per_expert.to(device, non_blocking=True)
+    else:
+        counts = torch.tensor(tokens_per_expert, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
+    return counts.cumsum(0, dtype=torch.int32)
 
 
 # moe_permute_fusion without Transformer Engine (with it, megatron binds TE's fused permutation itself)
@@ -114,28 +143,34 @@ def _sdpa_flash_with_lse(q) -> bool:
 
 def attention_with_lse(q, k, v, *, scale, causal):
     """Ring attention's block (the contract of ``torch_provider.attention_with_lse``) on SDPA's flash kernel
-    where it runs, else the torch provider's. With Transformer Engine installed megatron's own TE attention
+    where it runs, else the torch provider's. ``saved`` is what the kernel's forward hands back for its
+    backward besides out and lse: its cumulative lengths (undefined without packing, None in Python), the
+    lengths, and its RNG state; their form differs between torch releases, so they are passed on as they
+    came, as torch's own ring attention does. With Transformer Engine installed megatron's own TE attention
     does context parallelism and this is not used."""
     if not _sdpa_flash_with_lse(q):
         return torch_provider.attention_with_lse(q, k, v, scale=scale, causal=causal)
     k, v = torch_provider.grouped_kv(k, v, q.shape[1])
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)[:2]
-    return out, lse
+    out, lse, *saved = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)[:8]
+    return out, lse, tuple(saved)
 
 
-def attention_grad_from_lse(dout, q, k, v, out, lse, *, scale, causal):
+def attention_grad_from_lse(dout, q, k, v, out, lse, *, scale, causal, saved=None):
     """The block's gradients from the rows' global out and lse (``torch_provider.attention_grad_from_lse``)
-    on the flash kernel's backward, which rebuilds the softmax as exp(scores - lse); no packing and no
-    dropout, so its cumulative lengths and RNG state are empty."""
+    on the flash kernel's backward, which rebuilds the softmax as exp(scores - lse), fed the block
+    forward's own ``saved`` (cum_seq_q/k, max_q/k, RNG seed and offset)."""
     if not _sdpa_flash_with_lse(q):
         return torch_provider.attention_grad_from_lse(dout, q, k, v, out, lse, scale=scale, causal=causal)
+    if saved is None:
+        raise UnsupportedKernelSetting("the flash backward needs its forward's saved state: pass attention_with_lse's "
+                                       "third result as saved=")
     groups = k.shape[1]
     k, v = torch_provider.grouped_kv(k, v, q.shape[1])
-    unused = torch.empty(0, dtype=torch.int64, device=q.device)
+    cum_seq_q, cum_seq_k, max_q, max_k, seed, offset = saved
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
-        lse.float().contiguous(), unused, unused, q.shape[2], k.shape[2], 0.0, causal, unused, unused, scale=scale)
+        lse.float().contiguous(), cum_seq_q, cum_seq_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
     return dq, torch_provider.summed_over_groups(dk, groups), torch_provider.summed_over_groups(dv, groups)
 
 
@@ -145,18 +180,76 @@ def _no_softmax_extension(self, mask, b, np, sq, sk) -> bool:
     return False
 
 
+def fused_elementwise(requested: str | None, have_liger: bool, on_cuda: bool = True) -> tuple[str, str]:
+    """Which kernels RMSNorm, RoPE and SwiGLU get without Transformer Engine, and why: ``requested``
+    (``$ADAPTER_CUDA_FUSED``) when given, else Liger-Kernel where it is installed (one Triton kernel per
+    op, forward and backward, no compile step at start), else torch.compile'd regions (the same fusion,
+    compiled at the first step). ``eager`` is plain torch, for measuring the other two against, and what
+    runs unasked off the cuda backend (this provider's CPU tests: no compile there for kernels meant for
+    a GPU)."""
+    requested = (requested or "").strip().lower()
+    if requested and requested not in FUSED_CHOICES:
+        raise KernelProviderUnavailable(f"{FUSED_ENV}={requested!r}: use one of {', '.join(FUSED_CHOICES)}")
+    if requested == "liger" and not have_liger:
+        raise KernelProviderUnavailable(f"{FUSED_ENV}=liger: Liger-Kernel is not installed "
+                                        "(pip install liger-kernel, or the adapter's [cuda] extra)")
+    if requested:
+        return requested, f"{FUSED_ENV}={requested}"
+    if not on_cuda:
+        return "eager", f"not on the cuda backend ({FUSED_ENV} unset)"
+    if have_liger:
+        return "liger", f"Liger-Kernel is installed ({FUSED_ENV} unset)"
+    return "compile", f"Liger-Kernel is not installed: torch.compile'd regions ({FUSED_ENV} unset)"
+
+
+def _liger_rms_norm(x, weight, eps):
+    """Liger's RMSNorm in the 'llama' casting (the inverse RMS in float32, as megatron's and HF's), its
+    input gradient into a buffer of its own (``in_place=False``: megatron's residual keeps the incoming
+    gradient)."""
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False)
+
+
+def _liger_swiglu(input, bias, fp8_input_store=False, cpu_offload_input=False):
+    """megatron's ``bias_swiglu_impl`` (bias-free, as Qwen's MLP) on Liger's gate-up SwiGLU, which reads the
+    fc1 output [..., 2 * ffn] as it is; a bias, fp8 input store or CPU offload go to megatron's own."""
+    if bias is not None or fp8_input_store or cpu_offload_input:
+        from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+        return bias_swiglu_impl(input, bias, fp8_input_store, cpu_offload_input)
+    from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
+
+    return LigerFusedGateUpSiLUMulFunction.apply(input)
+
+
+def _elementwise_kernels(choice: str) -> tuple:
+    """(rms_norm, rope, bias_swiglu) for ``choice``. Liger's RoPE takes q and k together in HF's layout,
+    not megatron's one [s, b, h, d] tensor at a time, so RoPE is compiled under ``liger`` too. SwiGLU is
+    megatron's own under ``compile`` and ``eager``: it is already torch.compile'd (megatron's jit_fuser)."""
+    if choice == "eager":
+        return torch_provider._eager_rms_norm, torch_provider.rope, None
+    compiled_rope = torch_provider.rope_over(torch.compile(torch_provider.rotated, dynamic=False), "compiled_rope")
+    if choice == "liger":
+        return _liger_rms_norm, compiled_rope, _liger_swiglu
+    return torch.compile(torch_provider._eager_rms_norm, dynamic=False), compiled_rope, None
+
+
+FUSED, FUSED_WHY = fused_elementwise(os.environ.get(FUSED_ENV), HAVE_LIGER, _backend.current().name == "cuda")
+_rms_norm, _rope, _swiglu = _elementwise_kernels(FUSED)
+
 # With the extension, megatron's own availability check and fused softmax stay.
 softmax_fusable = None if HAVE_SOFTMAX_EXTENSION else _no_softmax_extension
-rms_norm = torch_provider.rms_norm
+rms_norm = _rms_norm
 layer_norm = torch_provider.layer_norm
-# megatron's own SwiGLU, scaled masked softmax (apex's kernel) and cross entropy (native or TE) stay in
-# place, and so does RoPE where Transformer Engine supplies it. Without TE, megatron has no fused RoPE and
-# refuses apply_rope_fusion (its default in Megatron-LM's arguments); the torch provider's then answers it.
-bias_swiglu = None
-rope = None if HAVE_TE else torch_provider.rope
+# megatron's own scaled masked softmax (apex's kernel) stays in place; with Transformer Engine, so do its
+# RoPE and cross entropy. Without TE, megatron has no fused RoPE and refuses apply_rope_fusion (its default
+# in Megatron-LM's arguments); this provider's then answers it.
+bias_swiglu = None if HAVE_TE else _swiglu
+rope = None if HAVE_TE else _rope
 rope_thd = None if HAVE_TE else torch_provider.rope_thd
 scaled_masked_softmax = None
-vocab_parallel_cross_entropy = None
+vocab_parallel_cross_entropy = None if HAVE_TE else cross_entropy.vocab_parallel_cross_entropy
 
 
 class CudaNorm(FusedNorm):

@@ -4,15 +4,21 @@ expert, computed by the provider's grouped matmul.
 megatron-core's MoE layer takes its grouped experts from the layer spec: ``TEGroupedMLP`` over two
 grouped linear submodules (Transformer Engine's ``TEColumnParallelGroupedLinear`` /
 ``TERowParallelGroupedLinear`` in megatron's TE spec). ``TEGroupedMLP`` itself needs no Transformer
-Engine; only its submodules do. These classes keep the interface and the weight layout of TE's, so the
-same ``TEGroupedMLP`` runs on every backend and its checkpoints are interchangeable with TE's and with
-``SequentialMLP``'s (one ``weight{i}`` of [out, in] per local expert, sharded per global expert):
+Engine; only its submodules do. These classes keep the interface of TE's, so the same ``TEGroupedMLP``
+runs on every backend:
 
-    forward(x [tokens, in], m_splits: list[int]) -> (y [tokens, out], bias or None)
+    forward(x [tokens, in], tokens_per_expert: list[int] | int tensor) -> (y [tokens, out], bias or None)
 
-Rows of ``x`` come grouped by local expert, ``m_splits[i]`` rows for expert i (what the token
-dispatcher hands over). The provider's ``grouped_mm(x, weights, m_splits)`` computes
-``y[rows of i] = x[rows of i] @ weights[i].T`` with gradients (a provider whose kernel has no backward
+The local experts' weights are ONE parameter ``weight`` [experts, out, in] (and ``bias`` [experts, out]):
+the layout a grouped GEMM reads without copying, and one parameter instead of one per expert for
+megatron's per-parameter DDP hooks, optimizer and gradient-clipping loops. Checkpoints still hold one
+tensor per global expert under the keys and shapes SequentialMLP and Transformer Engine use (a
+``ShardedTensorFactory`` splits the parameter on save and stacks it on load, as megatron's legacy
+GroupedMLP does for its fused weights), so they stay interchangeable with both.
+
+Rows of ``x`` come grouped by local expert, ``tokens_per_expert[i]`` rows for expert i (what the token
+dispatcher hands over). The provider's ``grouped_mm(x, weight, tokens_per_expert)`` computes
+``y[rows of i] = x[rows of i] @ weight[i].T`` with gradients (a provider whose kernel has no backward
 supplies it). Like TE's under expert parallelism, these modules never communicate: the dispatcher
 moves the tokens, and an expert-tensor-parallel shard is just a narrower weight.
 """
@@ -20,21 +26,23 @@ moves the tokens, and an expert-tensor-parallel shard is just a narrower weight.
 from __future__ import annotations
 
 import torch
-from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.tensor_parallel.utils import divide
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from adapter import device as device_layer
 
-_PARTITION_DIM = {"column": 0, "row": 1}  # the weight dim an expert-tensor-parallel rank holds a slice of
+_PARTITION_DIM = {"column": 0, "row": 1}  # the [out, in] dim an expert-tensor-parallel rank holds a slice of
 
 
 class GroupedLinear(torch.nn.Module):
-    """``num_gemms`` local experts' weights ``weight{i}`` [out, in] (and ``bias{i}``) for TEGroupedMLP;
-    ``grouped_mm`` is bound per provider by ``adapter.kernels.grouped_linear_modules``."""
+    """``num_gemms`` local experts' weights as one ``weight`` [num_gemms, out, in] (and ``bias``
+    [num_gemms, out]) for TEGroupedMLP; ``grouped_mm`` is bound per provider by
+    ``adapter.kernels.grouped_linear_modules``."""
 
     grouped_mm = None
     parallel_mode = None  # "column" or "row", set by the subclasses
@@ -48,25 +56,23 @@ class GroupedLinear(torch.nn.Module):
         self.config, self.num_gemms, self.use_bias = config, num_gemms, bias
         self.return_bias = skip_bias_add and bias
         self._pg_collection, self._tp_group = pg_collection, pg_collection.expt_tp
-        tp_size = self._tp_group.size()
         dim = _PARTITION_DIM[self.parallel_mode]
         # fc1 of a gated unit: each expert-TP rank holds its slice of the gate and of the up projection,
         # as megatron's MLP (stride 2) and its checkpoints' swiglu factory lay them out
         self.stride = 2 if self.parallel_mode == "column" and config.gated_linear_unit else 1
         shape = [output_size, input_size]
-        shape[dim] = divide(shape[dim], tp_size)
-        device = None if config.use_cpu_initialization else device_layer.torch_device()
-        for i in range(num_gemms):
-            weight = torch.nn.Parameter(torch.empty(shape, device=device, dtype=config.params_dtype))
-            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=self.stride)
-            self.register_parameter(f"weight{i}", weight)
-            if bias:
-                # a row-parallel bias is whole on every expert-TP rank, as in megatron's RowParallelLinear
-                rows = shape[0] if self.parallel_mode == "column" else output_size
-                self.register_parameter(f"bias{i}", torch.nn.Parameter(
-                    torch.zeros(rows, device=device, dtype=config.params_dtype)))
-                set_tensor_model_parallel_attributes(getattr(self, f"bias{i}"), self.parallel_mode == "column",
-                                                     0, 1)
+        shape[dim] = divide(shape[dim], self._tp_group.size())
+        self.weight = self._new_parameter([num_gemms, *shape])
+        # the expert axis comes first, so the sliced dim is one further than in megatron's [out, in]
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=dim + 1, stride=self.stride)
+        if bias:
+            # a row-parallel bias is whole on every expert-TP rank, as in megatron's RowParallelLinear
+            self.bias = self._new_parameter([num_gemms, shape[0] if self.parallel_mode == "column" else output_size])
+            with torch.no_grad():
+                self.bias.zero_()
+            set_tensor_model_parallel_attributes(self.bias, self.parallel_mode == "column", 1, 1)
+        else:
+            self.register_parameter("bias", None)
         if config.perform_initialization:
             self._initialize(init_method, output_size, input_size, dim)
         expert_parallel = config.expert_model_parallel_size > 1
@@ -74,70 +80,123 @@ class GroupedLinear(torch.nn.Module):
             # megatron's DDP reduces expert-parallel parameters over the expert data-parallel group
             param.allreduce = not (is_expert and expert_parallel)
 
+    def _new_parameter(self, shape: list[int]) -> torch.nn.Parameter:
+        """Uninitialised, on the host for ``use_cpu_initialization`` (moved later by the model), else on
+        the device, in ``params_dtype``: where and how megatron's own linear layers allocate theirs."""
+        device = None if self.config.use_cpu_initialization else device_layer.torch_device()
+        return torch.nn.Parameter(torch.empty(shape, device=device, dtype=self.config.params_dtype))
+
     def _initialize(self, init_method, output_size: int, input_size: int, dim: int) -> None:
         """With ``use_cpu_initialization``, every rank draws every global expert's full weight in order and
         keeps its own slice, so one seed gives the same experts at any EP / expert-TP layout (as megatron's
-        CPU initialisation does for TP). Otherwise each local slice is drawn on the device with the expert RNG,
-        as megatron's device initialisation of expert weights does."""
-        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        CPU initialisation does for TP). Otherwise each local expert's slice is drawn on the device with the
+        expert RNG, as megatron's device initialisation of expert weights does. Either way expert by
+        expert, as [out, in] matrices: an init_method may depend on a matrix's fan-in and fan-out."""
         if not self.config.use_cpu_initialization:
             with torch.no_grad(), get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-                for weight in weights:
-                    init_method(weight)
+                for expert in self.weight:
+                    init_method(expert)
             return
         ep_group, tp_rank, tp_size = self._pg_collection.ep, self._tp_group.rank(), self._tp_group.size()
-        first, chunk = ep_group.rank() * self.num_gemms, weights[0].shape[dim] // self.stride
+        first, chunk = ep_group.rank() * self.num_gemms, self.weight.shape[dim + 1] // self.stride
         with torch.no_grad():
             for expert in range(ep_group.size() * self.num_gemms):
                 master = torch.empty(output_size, input_size, dtype=torch.float32)
                 init_method(master)
                 if first <= expert < first + self.num_gemms:
                     mine = torch.cat(master.split(chunk, dim=dim)[tp_rank::tp_size], dim=dim)
-                    weights[expert - first].copy_(mine.to(self.config.params_dtype))
+                    self.weight[expert - first].copy_(mine.to(self.config.params_dtype))
 
-    def forward(self, x: torch.Tensor, m_splits: list[int]):
-        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
-        out = self.grouped_mm(x, weights, m_splits)
+    def forward(self, x: torch.Tensor, tokens_per_expert):
+        out = self.grouped_mm(x, self.weight, tokens_per_expert)
         if not self.use_bias:
             return out, None
-        biases = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)])
         if self.return_bias:
-            return out, biases
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(self.num_gemms, device=out.device),
-            torch.tensor(m_splits, device=out.device), output_size=out.shape[0])
-        return out + biases[expert_of_row].to(out.dtype), None
+            return out, self.bias
+        counts = torch.as_tensor(tokens_per_expert, device=out.device)
+        expert_of_row = torch.repeat_interleave(torch.arange(self.num_gemms, device=out.device), counts,
+                                                output_size=out.shape[0])
+        return out + self.bias[expert_of_row].to(out.dtype), None
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the backward pass (no delayed wgrad here)."""
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Plain state dicts saved before the experts shared one parameter hold ``weight{i}`` / ``bias{i}``
+        per local expert: stacked here into ``weight`` / ``bias`` so they still load."""
+        for name in ("weight", "bias"):
+            old = [f"{prefix}{name}{i}" for i in range(self.num_gemms)]
+            if f"{prefix}{name}" not in state_dict and all(key in state_dict for key in old):
+                state_dict[f"{prefix}{name}"] = torch.stack([state_dict.pop(key) for key in old])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        """Each local expert's tensors as the global expert's shard, under the keys SequentialMLP and
-        Transformer Engine's grouped linear use (``TEGroupedMLP`` adds the ``experts.`` prefix), so a
-        checkpoint loads at another EP / expert-TP size or into the other expert layouts."""
+        """Each parameter as a factory of one tensor per local expert, keyed, shaped and offset as the
+        global expert's shard in SequentialMLP's and Transformer Engine's layout (``TEGroupedMLP`` adds the
+        ``experts.`` prefix), so a checkpoint loads at another EP / expert-TP size or into the other expert
+        layouts. The factory holds the parameter itself: megatron's optimizers find a parameter's sharding
+        by the identity of its tensor and apply the same factory to its optimizer state."""
         metadata = ensure_metadata_has_dp_cp_group(metadata)
-        singleton = metadata.get("singleton_local_shards", False)
-        ep_group = self._pg_collection.ep
-        num_global, first = ep_group.size() * self.num_gemms, ep_group.rank() * self.num_gemms
-        axis = {"weight": _PARTITION_DIM[self.parallel_mode]}
-        if self.parallel_mode == "column":
-            axis["bias"] = 0
-        sharded = {}
-        for i in range(self.num_gemms):
-            names = ["weight"] + (["bias"] if self.use_bias else [])
-            state = {f"{i}.{name}": getattr(self, f"{name}{i}") for name in names}
-            offsets = sharded_offsets if singleton else (
-                *sharded_offsets, (len(sharded_offsets), first + i, num_global))
-            sub = make_sharded_tensors_for_checkpoint(
-                state, "", {f"{i}.{name}": dim for name, dim in axis.items()}, offsets,
-                tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
-            replace_prefix_for_sharding(sub, f"{i}.", f"{first + i}.{prefix}" if singleton else prefix)
-            sharded.update({f"{prefix}{name}{i}": sub[f"{i}.{name}"] for name in names})
-        expert_dp_rank = self._pg_collection.expt_dp.rank()
-        for tensor in sharded.values():
-            # replicas of an expert are the expert-data-parallel ranks, not the data-parallel ones
-            tensor.replica_id = (*tensor.replica_id[:2], expert_dp_rank)
-        return sharded
+        column = self.parallel_mode == "column"
+        tp_axes = {"weight": _PARTITION_DIM[self.parallel_mode], "bias": 0 if column else None}
+        return {f"{prefix}{name}": self._expert_factory(f"{prefix}{name}", param, tp_axes[name], sharded_offsets,
+                                                        metadata.get("singleton_local_shards", False))
+                for name, param in self.named_parameters(recurse=False)}
+
+    def _expert_factory(self, key: str, param: torch.nn.Parameter, tp_axis: int | None, sharded_offsets: tuple,
+                        singleton: bool) -> ShardedTensorFactory:
+        """The factory for one parameter: ``tp_axis`` is the per-expert axis sliced over expert TP (None:
+        whole on every expert-TP rank, so those ranks are its replicas); replicas of an expert are also
+        the expert-data-parallel ranks, not the data-parallel ones."""
+        tp_rank = self._tp_group.rank()
+        replica_id = (0, 0 if tp_axis is not None else tp_rank, self._pg_collection.expt_dp.rank())
+        tail = key  # what later prefix replacements keep: a singleton key gets the global expert before it
+        gated = self.stride == 2 and tp_axis == 0  # fc1's gate and up halves, saved as separate shards
+
+        def build(key, data, replica_id, flattened_range):
+            if flattened_range is not None:
+                raise ValueError(f"{key}: the grouped experts' checkpoint needs whole parameters, got the flat "
+                                 f"range {flattened_range} (distributed optimizer format "
+                                 "fully_sharded_model_space): save with fully_reshardable or dp_reshardable")
+            return [self._expert_shards(key, tail, expert, data[expert], replica_id, tp_axis, sharded_offsets,
+                                        singleton, gated)
+                    for expert in range(self.num_gemms)]
+
+        def merge(loaded: list) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.stack([torch.cat(halves) if gated else halves for halves in loaded])
+
+        return ShardedTensorFactory(key, param, build, merge, replica_id)
+
+    def _expert_shards(self, key: str, tail: str, expert: int, tensor: torch.Tensor, replica_id, tp_axis,
+                       sharded_offsets: tuple, singleton: bool, gated: bool):
+        """Local expert ``expert``'s tensor as its global expert's ShardedTensor (two for a gated fc1: the
+        gate half and the up half, with megatron's swiglu offsets), as megatron's SequentialMLP / TEGroupedMLP
+        save one expert: an expert axis before the tensor's own, or (singleton_local_shards) a key per
+        global expert and no expert axis."""
+        ep_group, tp_size, tp_rank = self._pg_collection.ep, self._tp_group.size(), self._tp_group.rank()
+        global_expert = ep_group.rank() * self.num_gemms + expert
+        if singleton:
+            if not key.endswith(tail):
+                raise ValueError(f"sharded key {key!r} no longer ends with {tail!r}: the grouped experts cannot "
+                                 "place the global expert index in it")
+            key, offsets = f"{key[:-len(tail)]}{global_expert}.{tail}", tuple(sharded_offsets)
+        else:
+            offsets = (*sharded_offsets, (len(sharded_offsets), global_expert, ep_group.size() * self.num_gemms))
+        prepend = len(offsets)
+
+        def shard(name: str, part: torch.Tensor, *tp_offset) -> ShardedTensor:
+            return ShardedTensor.from_rank_offsets(name, part.contiguous(), *offsets, *tp_offset,
+                                                   replica_id=replica_id, prepend_axis_num=prepend)
+
+        if not gated:
+            return shard(key, tensor, *([] if tp_axis is None else [(prepend + tp_axis, tp_rank, tp_size)]))
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        if singleton:
+            return [shard(f"{key}_w", gate, (prepend, tp_rank, tp_size)),
+                    shard(f"{key}_v", up, (prepend, tp_rank, tp_size))]
+        return [shard(key, gate, (prepend, tp_rank, 2 * tp_size)),
+                shard(key, up, (prepend, tp_size + tp_rank, 2 * tp_size))]
 
 
 class ColumnParallelGroupedLinear(GroupedLinear):

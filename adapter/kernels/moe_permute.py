@@ -8,8 +8,12 @@ each permuted row's (token, expert). megatron's dispatchers only carry it from p
 its form is the provider's business; keeping the expert lets unpermute weight rows by ``merging_probs``
 [tokens, experts] without the routing map, as TE's does.
 
-Compared with megatron's unfused code this makes one ``nonzero`` over the transposed routing map instead
-of expanding a [experts, tokens] index table, and gathers the probs by index.
+No host sync on a device (GPU issue 26): megatron passes the number of routed pairs as ``num_out_tokens``
+(tokens x topk without token dropping, a count it copied to the host itself otherwise), so the rows come
+from a stable sort of the expert-major map, whose output size is that count, where megatron's unfused code
+``masked_select``s (output size read back from the device). The chunk sort of the all-to-all dispatcher
+gathers by a row index computed on the device where megatron's splits on host copies of sizes and order.
+The count is taken on trust, as TE's permutation takes it: megatron computes it from the same map.
 """
 
 from __future__ import annotations
@@ -19,31 +23,37 @@ import torch
 from adapter.kernels import UnsupportedKernelSetting
 
 
-def row_map(routing_map: torch.Tensor) -> torch.Tensor:
-    """(token, expert) of every routed pair, expert-major and token-ascending: [2, rows]."""
-    expert, token = routing_map.T.nonzero(as_tuple=True)
-    return torch.stack((token, expert))
+def _host_count(num_out_tokens) -> int | None:
+    """``num_out_tokens`` as an int when reading it costs no device sync (a Python int, or a tensor
+    megatron already copied to the host) and it names a count (TE's -1 / None: "all routed pairs")."""
+    if isinstance(num_out_tokens, torch.Tensor) and num_out_tokens.device.type != "cpu":
+        return None
+    count = None if num_out_tokens is None else int(num_out_tokens)
+    return count if count is not None and count > 0 else None
 
 
-def _check_count(rows: torch.Tensor, num_out_tokens) -> None:
-    if num_out_tokens is not None and num_out_tokens > 0 and int(num_out_tokens) != rows.shape[1]:
-        raise UnsupportedKernelSetting(
-            f"num_out_tokens={int(num_out_tokens)} but the routing map routes {rows.shape[1]} token copies: "
-            "the fused permutation keeps every routed pair (drop tokens in the routing map, as megatron's "
-            "capacity factor does)")
+def row_map(routing_map: torch.Tensor, num_out_tokens=None) -> torch.Tensor:
+    """(token, expert) of every routed pair, expert-major and token-ascending: [2, rows]. With a host
+    count the routed pairs sort first (stable: tokens stay ascending) into a tensor of static size;
+    without, ``nonzero`` finds them (its size read back from the device: a sync there)."""
+    count = _host_count(num_out_tokens)
+    if count is None:
+        expert, token = routing_map.T.nonzero(as_tuple=True)
+        return torch.stack((token, expert))
+    tokens = routing_map.shape[0]
+    pairs = routing_map.T.reshape(-1).to(torch.int8).argsort(descending=True, stable=True)[:count]
+    return torch.stack((pairs % tokens, pairs.div(tokens, rounding_mode="floor")))
 
 
 def fused_permute(tokens, routing_map, num_out_tokens=None, max_token_num=-1, map_type="mask"):
     """Tokens grouped by expert, and the row map for ``fused_unpermute``."""
-    rows = row_map(routing_map)
-    _check_count(rows, num_out_tokens)
+    rows = row_map(routing_map, num_out_tokens)
     return tokens.index_select(0, rows[0]), rows
 
 
 def fused_permute_with_probs(tokens, probs, routing_map, num_out_tokens=None):
     """As ``fused_permute``, and each row's routing prob (probs[token, expert])."""
-    rows = row_map(routing_map)
-    _check_count(rows, num_out_tokens)
+    rows = row_map(routing_map, num_out_tokens)
     return tokens.index_select(0, rows[0]), probs[rows[0], rows[1]], rows
 
 
@@ -60,13 +70,24 @@ def fused_unpermute(permuted, row_id_map, merging_probs=None, restore_shape=None
     return out.index_add(0, row_id_map[0], rows)
 
 
+def chunk_rows(split_sizes: torch.Tensor, sorted_idxs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The input row of each of the ``rows`` output rows when the chunks of ``split_sizes`` rows are laid
+    out in the order ``sorted_idxs`` lists them: computed where the sizes are, so sorting reads neither
+    sizes nor order on the host."""
+    sizes = split_sizes.index_select(0, sorted_idxs)  # the output's chunks
+    ends = sizes.cumsum(0)
+    shift = (split_sizes.cumsum(0) - split_sizes).index_select(0, sorted_idxs) - (ends - sizes)
+    out = torch.arange(rows, device=split_sizes.device)
+    return out + shift[torch.searchsorted(ends, out, right=True)]
+
+
 def fused_sort_chunks_by_index(chunks, split_sizes, sorted_idxs):
     """The chunks of ``split_sizes`` rows, reordered as ``sorted_idxs`` lists them."""
-    pieces = chunks.split(split_sizes.tolist())
-    return torch.cat([pieces[i] for i in sorted_idxs.tolist()])
+    index = chunk_rows(split_sizes.to(chunks.device), sorted_idxs.to(chunks.device), chunks.shape[0])
+    return chunks.index_select(0, index)
 
 
 def fused_sort_chunks_by_index_with_probs(chunks, probs, split_sizes, sorted_idxs):
-    """As ``fused_sort_chunks_by_index``, for the rows and their probs alike."""
-    return (fused_sort_chunks_by_index(chunks, split_sizes, sorted_idxs),
-            fused_sort_chunks_by_index(probs, split_sizes, sorted_idxs))
+    """As ``fused_sort_chunks_by_index``, for the rows and their probs alike (one row index for both)."""
+    index = chunk_rows(split_sizes.to(chunks.device), sorted_idxs.to(chunks.device), chunks.shape[0])
+    return chunks.index_select(0, index), probs.index_select(0, index)

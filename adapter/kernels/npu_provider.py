@@ -121,14 +121,15 @@ def attention_with_lse(q, k, v, *, scale, causal):
     """One ring-attention block on npu_fusion_attention (BNSD, GQA with K/V unexpanded): out [b, nq, sq, d]
     in q's dtype and lse [b, nq, sq] float32 over the visible keys. The kernel hands back the row max and
     the unnormalised row sum of exp(score - max) rather than the lse, so lse = max + log(sum) from slot 0.
-    causal is top-left aligned (sparse_mode 2), which for sq == sk is the diagonal block's mask."""
+    causal is top-left aligned (sparse_mode 2), which for sq == sk is the diagonal block's mask. The
+    backward needs nothing more from the forward (``saved`` None): no dropout, so no seed or offset."""
     _check_heads(q.shape[1], k.shape[1])
     out, row_max, row_sum = torch_npu.npu_fusion_attention(
         q, k, v, q.shape[1], "BNSD", scale=scale, keep_prob=1.0, **_block_mask(causal, q.device))[:3]
-    return out, row_max[..., 0] + torch.log(row_sum[..., 0])
+    return out, row_max[..., 0] + torch.log(row_sum[..., 0]), None
 
 
-def attention_grad_from_lse(dout, q, k, v, out, lse, *, scale, causal):
+def attention_grad_from_lse(dout, q, k, v, out, lse, *, scale, causal, saved=None):
     """Gradients (dq, dk, dv) of one block on npu_fusion_attention_grad, given the GLOBAL out and lse of the
     rows: the kernel rebuilds P = exp(scale q k^T - softmax_max) / softmax_sum and D = rowsum(dout * out)
     from what it is fed, so softmax_max = lse and softmax_sum = 1 give the globally normalised P of this
@@ -238,42 +239,43 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group):
     return loss.view(target.shape)
 
 
-def _group_ends(m_splits, device) -> torch.Tensor:
-    """npu_grouped_matmul's group_list: cumulative row ends, int64 (group_list_type 0)."""
-    return torch.tensor(m_splits, dtype=torch.int64, device=device).cumsum(0)
+def _group_ends(tokens_per_expert, device) -> torch.Tensor:
+    """npu_grouped_matmul's group_list: cumulative row ends, int64 (group_list_type 0), summed on the
+    device when the counts are a tensor already."""
+    counts = tokens_per_expert if torch.is_tensor(tokens_per_expert) else torch.tensor(tokens_per_expert)
+    return counts.to(device=device, dtype=torch.int64).cumsum(0)
 
 
 class _GroupedMatmul(torch.autograd.Function):
     """``npu_grouped_matmul`` has no backward node in torch_npu, so the gradients are grouped matmuls too:
-    dx = dy @ w_i per group (split M), dw_i = x_i^T dy_i (split K, group_type 2). The weights are stacked
-    again in backward rather than kept stacked from forward: a second copy of every expert would stay
-    alive between the passes."""
+    dx = dy @ w_i per group (split M), dw_i = x_i^T dy_i (split K, group_type 2). The stacked weight
+    [E, out, in] goes in as the transposed view [E, in, out] the op reads in place, no copy."""
 
     @staticmethod
-    def forward(ctx, x, ends, *weights):
-        ctx.save_for_backward(x, ends, *weights)
-        stacked = torch.stack(weights).transpose(1, 2)  # [E, in, out], a transposed view the op accepts
-        return torch_npu.npu_grouped_matmul([x], [stacked], group_list=ends, split_item=3, group_type=0,
-                                            group_list_type=0)[0]
+    def forward(ctx, x, ends, weight):
+        ctx.save_for_backward(x, ends, weight)
+        return torch_npu.npu_grouped_matmul([x], [weight.transpose(1, 2)], group_list=ends, split_item=3,
+                                            group_type=0, group_list_type=0)[0]
 
     @staticmethod
     def backward(ctx, dy):
-        x, ends, *weights = ctx.saved_tensors
+        x, ends, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = torch_npu.npu_grouped_matmul([dy], [torch.stack(weights)], group_list=ends, split_item=3,
+        dx = torch_npu.npu_grouped_matmul([dy], [weight], group_list=ends, split_item=3,
                                           group_type=0, group_list_type=0)[0]
         dw = torch_npu.npu_grouped_matmul([x.t()], [dy], group_list=ends, split_item=3, group_type=2,
                                           group_list_type=0)[0]  # [E, in, out]
-        return (dx, None, *dw.transpose(1, 2).unbind(0))
+        return dx, None, dw.transpose(1, 2)
 
 
-def grouped_mm(x, weights, m_splits):
+def grouped_mm(x, weight, tokens_per_expert):
     """The experts' GEMMs in one ``npu_grouped_matmul`` (as MindSpeed's grouped MLP calls it), gradients
     included. A rank whose local experts received no token at all computes nothing on the NPU, but its
     weights still get their (zero) gradients for the data-parallel reduction."""
+    torch_provider.check_expert_counts(tokens_per_expert, weight)
     if x.shape[0] == 0:
-        return torch_provider.looped_grouped_mm(x, weights, m_splits)
-    return _GroupedMatmul.apply(x.contiguous(), _group_ends(m_splits, x.device), *weights)
+        return torch_provider.looped_grouped_mm(x, weight, tokens_per_expert)
+    return _GroupedMatmul.apply(x.contiguous(), _group_ends(tokens_per_expert, x.device), weight)
 
 
 def installed_core_attention():

@@ -14,6 +14,7 @@ masking and its RNG-tracked dropout are reproduced exactly.
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,29 @@ def _dense_attention(q, k, v, scale, causal, mask, window, dropout_p):
     return context.permute(2, 0, 1, 3).reshape(sq, b, nq * d)
 
 
+SDPA_CONTIGUOUS_ENV = "ADAPTER_SDPA_CONTIGUOUS"
+
+
+def _contiguous(t):
+    return t.contiguous()
+
+
+def _as_is(t):
+    return t
+
+
+def sdpa_layout(backend_name: str, setting: str | None):
+    """How SDPA gets q/k/v [b, n, s, d]: copied to that layout in memory on the CPU, whose kernels run ~10%
+    faster so; as megatron's permuted [s, b, n, d] views elsewhere, which CUDA's flash kernel reads as
+    they are (a copy of each would cost a pass over q, k and v per layer, forward and backward).
+    ``ADAPTER_SDPA_CONTIGUOUS=1|0`` overrides, to measure either way."""
+    contiguous = backend_name == "cpu" if setting in (None, "") else setting == "1"
+    return _contiguous if contiguous else _as_is
+
+
+_sdpa_layout = sdpa_layout(_backend.current().name, os.environ.get(SDPA_CONTIGUOUS_ENV))
+
+
 def sdpa_attention(q, k, v, scale, causal, mask, window, dropout_p):
     """Dense attention through ``scaled_dot_product_attention``, q [sq, b, nq, d] -> [sq, b, nq * d]."""
     sq, b, nq, d = q.shape
@@ -91,8 +115,7 @@ def sdpa_attention(q, k, v, scale, causal, mask, window, dropout_p):
         hidden = masked_positions(sq, sk, causal, window, q.device)
         if mask is not None:
             hidden = mask if hidden is None else (mask | hidden)
-    # [b, n, s, d] in memory: SDPA's CPU kernels run ~10% faster than over the permuted views
-    q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
+    q, k, v = (_sdpa_layout(t.permute(1, 2, 0, 3)) for t in (q, k, v))
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=None if hidden is None else ~hidden, dropout_p=dropout_p,
         is_causal=causal and hidden is None, scale=scale, enable_gqa=nq != nkv)
@@ -143,21 +166,24 @@ def _scores(q, k, scale, causal):
 
 def attention_with_lse(q, k, v, *, scale, causal):
     """One block of context-parallel attention and its rows' log-sum-exp: q [b, nq, sq, d], k/v
-    [b, nkv, sk, d] -> out [b, nq, sq, d] (q's dtype), lse [b, nq, sq] float32; ``causal`` top-left aligned
-    (sq == sk). The ring merges blocks by their lse (adapter/kernels/context_parallel.py)."""
+    [b, nkv, sk, d] -> out [b, nq, sq, d] (q's dtype), lse [b, nq, sq] float32, and what the block's
+    backward needs from its forward beyond those (``saved``: None here; a kernel's own state elsewhere);
+    ``causal`` top-left aligned (sq == sk). The ring merges blocks by their lse
+    (adapter/kernels/context_parallel.py)."""
     k, v = grouped_kv(k, v, q.shape[1])
     if _flash_cpu(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
+        return out, lse, None
     scores = _scores(q, k, scale, causal)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse, None
 
 
-def attention_grad_from_lse(dout, q, k, v, out, lse, *, scale, causal):
+def attention_grad_from_lse(dout, q, k, v, out, lse, *, scale, causal, saved=None):
     """(dq, dk, dv) of one block given its rows' GLOBAL out and lse (flash attention's backward, whose
     softmax is exp(scores - lse)): summed over the blocks, the gradients of attention over all keys. dk/dv
-    in k/v's head count."""
+    in k/v's head count. ``saved``: the block forward's, unused here."""
     groups = k.shape[1]
     k, v = grouped_kv(k, v, q.shape[1])
     if _flash_cpu(q):
@@ -215,14 +241,31 @@ def _cos_sin(freqs, dtype, interleaved: bool):
     return cos, sin
 
 
-def rope(t, freqs, transpose_output_memory: bool = False, interleaved: bool = False):
-    """RoPE on t [s, b, h, d] with angles freqs [s, 1, 1, d_rot]; dims past d_rot pass through."""
-    rot = freqs.shape[-1]
-    cos, sin = _cos_sin(freqs, t.dtype, interleaved)
+def rotated(t, cos, sin, interleaved: bool):
+    """t [s, b, h, d] rotated by the angles' cos and signed sin [s, 1, 1, d_rot] (``_cos_sin``); dims past
+    d_rot pass through. The elementwise part of RoPE, apart so that a provider can compile it alone."""
+    rot = cos.shape[-1]
     if rot == t.shape[-1]:
         return t * cos + _swap(t, interleaved) * sin
     x = t[..., :rot]
     return torch.cat((x * cos + _swap(x, interleaved) * sin, t[..., rot:]), dim=-1)
+
+
+def rope_over(rotate, name: str):
+    """megatron's fused-RoPE signature over ``rotate`` (``rotated`` or a compiled one), named ``name`` (what
+    ``python -m adapter`` shows): the angles' cos and sin come from ``_cos_sin``'s cache, outside any
+    compiled region."""
+
+    def rope(t, freqs, transpose_output_memory: bool = False, interleaved: bool = False):
+        """RoPE on t [s, b, h, d] with angles freqs [s, 1, 1, d_rot]; dims past d_rot pass through."""
+        cos, sin = _cos_sin(freqs, t.dtype, interleaved)
+        return rotate(t, cos, sin, interleaved)
+
+    rope.__name__ = rope.__qualname__ = name
+    return rope
+
+
+rope = rope_over(rotated, "rope")
 
 
 def packed_positions(cu_seqlens, total: int):
@@ -257,44 +300,58 @@ vocab_parallel_cross_entropy = cross_entropy.vocab_parallel_cross_entropy
 
 
 class _LoopedGroupedMM(torch.autograd.Function):
-    """One GEMM per expert, each writing its rows of one output (and of dx in backward) in place. Composed
-    from autograd ops instead, the loop pays a full copy of the rows to concatenate the experts' outputs in
-    forward and another to concatenate the split's gradients in backward (bench/moe.py: ``grouped/cat``)."""
+    """One GEMM per expert, each writing its rows of one output (and of dx and its dw slice in backward) in
+    place. Composed from autograd ops instead, the loop pays a full copy of the rows to concatenate the
+    experts' outputs in forward and another to concatenate the split's gradients in backward
+    (bench/moe.py: ``grouped/cat``)."""
 
     @staticmethod
-    def forward(ctx, x, m_splits, *weights):
-        ctx.save_for_backward(x, *weights)
-        ctx.bounds = _row_bounds(m_splits)
-        out = x.new_empty(x.shape[0], weights[0].shape[0])
-        for (start, end), weight in zip(ctx.bounds, weights):
-            torch.mm(x[start:end], weight.t(), out=out[start:end])
+    def forward(ctx, x, weight, bounds):
+        ctx.save_for_backward(x, weight)
+        ctx.bounds = bounds
+        out = x.new_empty(x.shape[0], weight.shape[1])
+        for expert, (start, end) in enumerate(bounds):
+            torch.mm(x[start:end], weight[expert].t(), out=out[start:end])
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        x, *weights = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        dw = []
-        for i, ((start, end), weight) in enumerate(zip(ctx.bounds, weights)):
+        dw = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        for expert, (start, end) in enumerate(ctx.bounds):
             if dx is not None:
-                torch.mm(dy[start:end], weight, out=dx[start:end])
-            dw.append(dy[start:end].t() @ x[start:end] if ctx.needs_input_grad[2 + i] else None)
-        return (dx, None, *dw)
+                torch.mm(dy[start:end], weight[expert], out=dx[start:end])
+            if dw is not None:  # an expert without rows gets zeros: a product over an empty inner dim
+                torch.mm(dy[start:end].t(), x[start:end], out=dw[expert])
+        return dx, dw, None
 
 
-def _row_bounds(m_splits) -> list[tuple[int, int]]:
-    ends = list(itertools.accumulate(int(m) for m in m_splits))
+def _row_bounds(tokens_per_expert) -> list[tuple[int, int]]:
+    """Each expert's [start, end) rows; a tensor of counts is read back to the host once, as slicing needs."""
+    counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert
+    ends = list(itertools.accumulate(int(m) for m in counts))
     return list(zip([0, *ends[:-1]], ends))
 
 
-def looped_grouped_mm(x, weights, m_splits):
-    """``x[rows of i] @ weights[i].T`` expert by expert: one GEMM each, no copy of the weights or the rows."""
-    return _LoopedGroupedMM.apply(x.contiguous(), m_splits, *weights)
+def check_expert_counts(tokens_per_expert, weight) -> None:
+    """One count per local expert, or every provider's grouped GEMM fails on its own terms (or, looping,
+    silently leaves experts out); the length of a 1-D tensor is known on the host, no sync."""
+    if len(tokens_per_expert) != weight.shape[0]:
+        raise ValueError(f"tokens_per_expert has {len(tokens_per_expert)} experts but the weight "
+                         f"{tuple(weight.shape)} has {weight.shape[0]}: pass one count per local expert")
 
 
-# Measured against one torch grouped GEMM over the stacked weights (bench/moe.py): slower on the CPU at MoE
-# shapes, a copy of the weights per call, and torch 2.13's CPU kernel drops bf16/fp16 gradients.
+def looped_grouped_mm(x, weight, tokens_per_expert):
+    """``x[rows of i] @ weight[i].T`` expert by expert over the stacked weight [E, out, in]: one GEMM each,
+    no copy of the weights or the rows. ``tokens_per_expert``: a list of ints or an int tensor."""
+    check_expert_counts(tokens_per_expert, weight)
+    return _LoopedGroupedMM.apply(x.contiguous(), weight, _row_bounds(tokens_per_expert))
+
+
+# Measured against one torch grouped GEMM over the stacked weight (bench/moe.py): slower on the CPU at MoE
+# shapes, and torch 2.13's CPU kernel drops bf16/fp16 gradients.
 grouped_mm = looped_grouped_mm
 # moe_permute_fusion: TE's interface over torch index ops (tokens in megatron's unfused order)
 moe_permute = _moe_permute

@@ -56,7 +56,21 @@ def _model(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion")
     g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion")
     g.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion")
-    g.add_argument("--cross-entropy-loss-fusion", action="store_true")
+    on_cuda = _on_cuda()
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true", default=on_cuda,
+                   help="the kernel provider's fused cross entropy (default on CUDA, where it saves a host sync "
+                        "and a pass over the logits)")
+    g.add_argument("--no-cross-entropy-loss-fusion", action="store_false", dest="cross_entropy_loss_fusion")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                   default=on_cuda, help="weight gradients accumulate in a bf16 .grad first (the fusion, "
+                                         "default on CUDA, writes them into the float32 main_grad directly)")
+
+
+def _on_cuda() -> bool:
+    """Whether this process trains on CUDA: the fusions that default on there (as in Megatron-LM) need it."""
+    import adapter
+
+    return adapter.current_backend().name == "cuda"
 
 
 # the longest --moe-layer-freq pattern accepted: far more layers than any model has, far less memory than
@@ -143,7 +157,10 @@ def _moe(parser: argparse.ArgumentParser) -> None:
                         "would train a published MoE model without its load balancing)")
     g.add_argument("--moe-z-loss-coeff", type=float)
     g.add_argument("--moe-shared-expert-overlap", action="store_true")
-    g.add_argument("--moe-permute-fusion", action="store_true")
+    g.add_argument("--moe-permute-fusion", action="store_true", default=_on_cuda(),
+                   help="the kernel provider's token permutation (default on CUDA: megatron's unfused one "
+                        "masked_selects tokens and probs, two host syncs per MoE layer; the fused one has none)")
+    g.add_argument("--no-moe-permute-fusion", action="store_false", dest="moe_permute_fusion")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
     g.add_argument("--moe-expert-capacity-factor", type=float, help="default: none (no token dropped)")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
@@ -572,10 +589,14 @@ def _check_schedule(args: argparse.Namespace) -> None:
     _require(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
              "--lr-warmup-fraction and --lr-warmup-iters together: give one")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    _require(args.lr_decay_iters > 0, f"--train-iters {args.train_iters} without --lr-decay-iters: the LR schedule "
+                                      "needs at least one iteration to decay over")
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    _require(args.lr_warmup_iters <= args.lr_decay_iters,
-             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds the decay iterations {args.lr_decay_iters}")
+    # megatron's OptimizerParamScheduler asserts warm-up < decay
+    _require(args.lr_warmup_iters < args.lr_decay_iters,
+             f"--lr-warmup-iters {args.lr_warmup_iters}: must be fewer than the {args.lr_decay_iters} decay iterations "
+             "(--lr-decay-iters, default --train-iters)")
 
 
 def _check_data(args: argparse.Namespace) -> None:

@@ -32,7 +32,7 @@ from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 import adapter
 from adapter.training import checkpointing, global_vars
 from adapter.training.arguments import ArgumentError, fit_vocab, parse_args, refuse, validate_args
-from adapter.training.training_log import TrainingLog
+from adapter.training.training_log import StartupClock, TrainingLog
 
 
 def initialize(extra_args_provider=None, args_defaults: dict | None = None, argv=None):
@@ -91,6 +91,7 @@ def transformer_config_overrides(args) -> dict:
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         masked_softmax_fusion=args.masked_softmax_fusion, bias_activation_fusion=args.bias_swiglu_fusion,
         apply_rope_fusion=args.apply_rope_fusion, cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         attention_softmax_in_fp32=True, use_cpu_initialization=not adapter.device.has_accelerator(),
         deallocate_pipeline_outputs=True, context_parallel_size=args.context_parallel_size,
         cp_comm_type=args.cp_comm_type, **recompute, **_moe_overrides(args))
@@ -184,10 +185,10 @@ def _context_parallel_loss(loss_func, output_tensor):
     return total * parallel_state.get_context_parallel_world_size(), whole, report
 
 
-def _reduced_losses(losses: list[dict]) -> dict:
+def _reduced_losses(losses: list[dict]) -> dict[str, torch.Tensor]:
     """Mean of each logged loss over the micro-batches of this rank, then over data-parallel ranks (and
     context-parallel ones, which each hold part of every sequence). A loss given as [sum, count]
-    (Megatron-LM's per-token form) is summed before dividing."""
+    (Megatron-LM's per-token form) is summed before dividing. Left on the device: the log reads it."""
     if not losses or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return {}
     out = {}
@@ -196,7 +197,7 @@ def _reduced_losses(losses: list[dict]) -> dict:
         pair = values.shape[-1] == 2
         total = values.sum(dim=0) if pair else torch.stack([values.mean(), values.new_ones(())])
         torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        out[name] = (total[0] / total[1]).item()
+        out[name] = total[0] / total[1]
     return out
 
 
@@ -249,7 +250,7 @@ def evaluate(forward_step_func, data_iterator, model: list, eval_iters: int) -> 
                 model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=True)
             for name, value in _reduced_losses(losses).items():
-                totals[name] = totals.get(name, 0.0) + value / eval_iters
+                totals[name] = totals.get(name, 0.0) + value.item() / eval_iters
     for chunk in model:
         chunk.train()
     if args.model_config.num_experts is not None:
@@ -295,24 +296,33 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     """Megatron-LM's ``pretrain``; returns what was logged (losses per log line, validation losses).
     ``process_non_loss_data_func`` is accepted for Megatron-LM's signature; nothing here produces non-loss
     data to hand it."""
+    clock = StartupClock()
     args = initialize(extra_args_provider, args_defaults, argv)
+    clock.mark("initialize")
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type)
+    clock.mark("model and optimizer")
     iteration, consumed = 0, {"train": 0, "valid": 0}
     if args.load:
         iteration, consumed = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+        clock.mark("checkpoint load")
     (train_iter, valid_iter, test_iter), (_, do_valid, do_test) = build_train_valid_test_data_iterators(
         train_valid_test_dataset_provider, consumed)
+    clock.mark("data")
     log = TrainingLog(args, model)
     history = {"train": [], "validation": [], "iteration": iteration}
     for chunk in model:
         chunk.train()
     while iteration < args.train_iters:
         losses, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler)
+        if clock is not None:
+            clock.mark("first iteration")
+            history["startup"] = log.started(clock)
+            clock = None
         iteration += 1
         consumed["train"] += args.global_batch_size
         log.add(losses, skipped)
         logged = log.step(iteration, consumed["train"], scheduler.get_lr(optimizer.param_groups[0]),
-                          optimizer.get_loss_scale().item(), grad_norm)
+                          optimizer.get_loss_scale(), grad_norm)
         if logged:
             history["train"].append(logged)
         if do_valid and args.eval_iters and iteration % args.eval_interval == 0:

@@ -68,9 +68,33 @@ def _load(library: str, path: str, args: argparse.Namespace):
 
 
 def _null_tokenizer(args: argparse.Namespace):
-    """Token ids written as numbers, for benchmarks and mock data; the end-of-document id is ``vocab_size``."""
     size = getattr(args, "vocab_size", None)
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"--vocab-size {size!r}: NullTokenizer needs a positive --vocab-size (without the "
                          "end-of-document token, which it adds)")
-    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=size)
+    return NullTokenizer(size)
+
+
+class NullTokenizer:
+    """Token ids written as numbers ("3 1 4"), for benchmarks and mock data: ids below ``vocab_size`` as
+    the text says, and the end-of-document id ``vocab_size`` after them, so the vocabulary holds
+    ``vocab_size + 1`` entries (Megatron-LM's NullTokenizer, same ids).
+
+    The flow's own rather than megatron-core's: importing any of megatron-core's text tokenizers imports
+    its Hugging Face one, and with it transformers where installed, a few seconds of every mock-data
+    launch spent on a tokenizer that reads numbers."""
+
+    def __init__(self, vocab_size: int):
+        self.eod = vocab_size
+        self.vocab_size = vocab_size + 1
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(token) for token in text.split()]
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    @property
+    def unique_identifiers(self) -> dict:
+        """What megatron's datasets hash into their cache names."""
+        return {"class": f"{type(self).__module__}.{type(self).__qualname__}", "vocab_size": self.vocab_size}

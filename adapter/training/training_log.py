@@ -117,6 +117,34 @@ class ExpertMetrics:
         return fields, {**logged, "expert load": dict(zip(self.moe_layers, load))}
 
 
+class StartupClock:
+    """Where a launch's time goes before training runs: from the process's start (what the OS recorded, so
+    the interpreter's and the imports' time counts) through each named phase to the end of the first
+    iteration, printed once as one line by the rank that prints the log.
+
+    The time a launcher takes before it starts this process (torchrun's own imports) is not counted."""
+
+    def __init__(self):
+        import psutil
+
+        self._last = psutil.Process().create_time()
+        self._phases = {"imports": time.time() - self._last}
+        self._last += self._phases["imports"]
+
+    def mark(self, phase: str) -> None:
+        """The phase that ends now."""
+        now = time.time()
+        self._phases[phase] = self._phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def phases(self) -> dict[str, float]:
+        return {**self._phases, "total": sum(self._phases.values())}
+
+    def line(self) -> str:
+        parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._phases.items())
+        return f" time from launch to the end of the first iteration: {sum(self._phases.values()):.1f} s ({parts})"
+
+
 def memory_summary() -> str:
     if device.has_accelerator():
         gib = 2**30
@@ -142,13 +170,20 @@ class TrainingLog:
                                  f"({exc})") from exc
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.log_interval)
         self._since = time.perf_counter()
-        self._losses: dict[str, list[float]] = {}
+        self._losses: dict[str, list[torch.Tensor]] = {}
+        self._pending: list[tuple[int, dict]] = []  # TensorBoard scalars not yet written
         self._skipped = 0
         self._nan = 0
         self.flops_per_iteration = (model_flops_per_token(args.model_config, args.seq_length)
                                     * args.global_batch_size * args.seq_length)
         self.experts = (ExpertMetrics(args, model) if model is not None and args.model_config.num_experts is not None
                         else None)
+
+    def started(self, clock: StartupClock) -> dict[str, float]:
+        """After the first iteration: the launch's phases, printed by the rank that prints the log."""
+        if self.is_last_rank:
+            print(clock.line(), flush=True)
+        return clock.phases()
 
     def excluded(self):
         """A context whose time (evaluation, checkpointing) the next log line's per-iteration time leaves
@@ -166,32 +201,57 @@ class TrainingLog:
         return pause()
 
     def add(self, losses: dict, skipped: bool) -> None:
+        """An iteration's losses, as device tensors: read on the host at log lines only, so iterations
+        between them queue on the device without waiting for it."""
         for name, value in losses.items():
             self._losses.setdefault(name, []).append(value)
-            self._nan += int(value != value)
         self._skipped += int(skipped)
 
-    def step(self, iteration: int, consumed: int, lr: float, loss_scale: float, grad_norm) -> dict | None:
-        """After each iteration: writes scalars, and every --log-interval the log line."""
+    def _scalars(self, iteration: int, lr: float, loss_scale, grad_norm) -> None:
+        """This iteration's TensorBoard scalars, kept until the log line writes them (with their
+        iterations): writing a device tensor would wait for the device every iteration."""
+        if self.writer is None:
+            return
+        scalars = {name: values[-1] for name, values in self._losses.items()}
+        scalars.update({"learning-rate": lr, "loss-scale": loss_scale})
+        if grad_norm is not None:
+            scalars["grad-norm"] = grad_norm
+        self._pending.append((iteration, scalars))
+
+    def _write_pending(self) -> None:
+        for iteration, scalars in self._pending:
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, float(value), iteration)
+        self._pending = []
+
+    def _loss_means(self) -> dict[str, float]:
+        """Each loss's mean over the iterations since the last line (one host read), counting the NaN ones."""
+        if not self._losses:
+            return {}
+        names = list(self._losses)
+        values = torch.stack([torch.stack(self._losses[name]).float() for name in names]).cpu()
+        self._nan += int(values.isnan().any(dim=0).sum())
+        return dict(zip(names, values.mean(dim=1).tolist()))
+
+    def step(self, iteration: int, consumed: int, lr: float, loss_scale, grad_norm) -> dict | None:
+        """After each iteration: keeps the scalars, and every --log-interval writes them and the log line."""
         args = self.args
-        if self.writer is not None:
-            for name, values in self._losses.items():
-                self.writer.add_scalar(name, values[-1], iteration)
-            self.writer.add_scalar("learning-rate", lr, iteration)
-            self.writer.add_scalar("loss-scale", loss_scale, iteration)
-            if grad_norm is not None:
-                self.writer.add_scalar("grad-norm", grad_norm, iteration)
+        self._scalars(iteration, lr, loss_scale, grad_norm)
         if self.experts is not None:
             self.experts.track(iteration, self.writer)
         if iteration % args.log_interval:
             return None
+        if self.writer is not None:
+            self._write_pending()
+        loss_scale = float(loss_scale)
         expert_fields, expert_values = (self.experts.log(iteration, self.writer)
                                         if self.experts is not None else ([], {}))
+        means = self._loss_means()
+        device.synchronize()  # the iterations' work may still be queued: time it done
         elapsed = (time.perf_counter() - self._since) / args.log_interval
         self._since = time.perf_counter()
         tokens_per_s = args.global_batch_size * args.seq_length / elapsed
         tflops = self.flops_per_iteration / elapsed / args.world_size / 1e12
-        means = {name: sum(v) / len(v) for name, v in self._losses.items()}
         if self.writer is not None:
             self.writer.add_scalar("throughput-tflops-per-device", tflops, iteration)
             self.writer.add_scalar("tokens-per-second", tokens_per_s, iteration)

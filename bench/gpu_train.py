@@ -1,0 +1,284 @@
+"""The pretrain flow against Hugging Face transformers on one device, bf16 mixed precision on both sides.
+
+Per named model (models/, random weights, nothing downloaded), the same shape, micro-batch and sequence
+length, each side in a fresh interpreter (one process, one rank: its memory peak is its own):
+
+- ``flow``: scripts/pretrain_gpt.py's model and step over ``adapter.training.pretrain`` with --mock-data,
+  ``--bf16 --use-distributed-optimizer`` (bf16 parameters, fp32 main parameters and gradients), the flow's
+  defaults for the device otherwise;
+- ``transformers``: ``AutoModelForCausalLM`` from the same config (``models.hf.config_to_hf``), trained as
+  HF Trainer's ``bf16=True`` runs it: fp32 parameters under ``torch.autocast(<device>, torch.bfloat16)``,
+  SDPA attention, fused ``torch.optim.AdamW``, gradients clipped to norm 1.0.
+
+Both are timed the same way, each step between device synchronisations, over ``--steps`` after
+``--warmup``. Model FLOPs per token are the training log's (``model_flops_per_token``): 6 x matmul parameters
+(output layer included) + 12 x layers x seq x attention width, the full s x s score matrix, not halved for
+causal masking. The device's bf16 matmul peak is a timed ``--peak-size``^3 bf16 ``torch.mm`` (8192 on CUDA).
+Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA, the process's max RSS on the CPU.
+
+``--off`` turns leads off on the flow side, one at a time, to measure each: ``fused-adam``
+(ADAPTER_FUSED_ADAM=0), ``ce-fusion`` (--no-cross-entropy-loss-fusion), ``grad-accum-fusion``
+(--no-gradient-accumulation-fusion), ``sdpa-views`` (ADAPTER_SDPA_CONTIGUOUS=1), ``fused`` (ADAPTER_CUDA_FUSED=
+eager); ``--variants`` runs the flow once per comma-separated set of them besides the default.
+Goals: flow / transformers >= 1.15; >= 50% of the bf16 matmul peak at 1.5B/1.7B; flow memory <= transformers'.
+
+Usage: python bench/gpu_train.py --device cuda [--models qwen2.5-0.5b qwen2.5-1.5b] [--steps 10] [--warmup 3]
+       [--profile DIR] [--markdown] [--variants fused-adam ce-fusion,grad-accum-fusion]
+       python bench/gpu_train.py --tiny      # the CPU check, under 2 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {"qwen2.5-0.5b": (2048, 4), "qwen2.5-1.5b": (4096, 2), "qwen3-1.7b": (4096, 2), "qwen2.5-tiny": (64, 2)}
+OFF = {"fused-adam": ({"ADAPTER_FUSED_ADAM": "0"}, []),
+       "ce-fusion": ({}, ["--no-cross-entropy-loss-fusion"]),
+       "grad-accum-fusion": ({}, ["--no-gradient-accumulation-fusion"]),
+       "sdpa-views": ({"ADAPTER_SDPA_CONTIGUOUS": "1"}, []),
+       "fused": ({"ADAPTER_CUDA_FUSED": "eager"}, [])}
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_memory(device: str) -> int:
+    """Bytes: the allocator's peak on CUDA, the process's max RSS on the CPU (kilobytes on Linux)."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class StepClock:
+    """Times each training step between device syncs, and runs torch.profiler over the measured ones."""
+
+    def __init__(self, device: str, warmup: int, profile: str | None):
+        self.device, self.warmup, self.profile = device, warmup, profile
+        self.seconds, self.count, self.profiler = [], 0, None
+
+    def __call__(self, step):
+        def timed(*args, **kwargs):
+            if self.count == self.warmup and self.profile:
+                self.profiler = _profiler(self.device)
+                self.profiler.__enter__()
+            _sync(self.device)
+            start = time.perf_counter()
+            result = step(*args, **kwargs)
+            _sync(self.device)
+            if self.count >= self.warmup:
+                self.seconds.append(time.perf_counter() - start)
+            self.count += 1
+            return result
+
+        return timed
+
+    def finish(self) -> None:
+        if self.profiler is None:
+            return
+        self.profiler.__exit__(None, None, None)
+        averages = self.profiler.key_averages()
+        sorts = (["cuda_time_total"] if self.device == "cuda" else []) + ["cpu_time_total"]
+        tables = [f"sorted by {sort_by}:\n" + averages.table(sort_by=sort_by, row_limit=30) for sort_by in sorts]
+        Path(self.profile).write_text("\n\n".join(tables))
+
+
+def _profiler(device: str):
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def _flow_argv(name: str, steps: int, warmup: int, extra: list[str]) -> list[str]:
+    seq, micro = SHAPES[name]
+    return ["--model", name, "--seq-length", str(seq), "--micro-batch-size", str(micro),
+            "--global-batch-size", str(micro), "--train-iters", str(warmup + steps), "--lr", "1e-4",
+            "--lr-decay-style", "constant", "--mock-data", "--log-interval", "1", "--eval-iters", "0",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--bf16", "--use-distributed-optimizer", *extra]
+
+
+def run_flow(name: str, device: str, steps: int, warmup: int, profile: str | None, extra: list[str]) -> dict:
+    """The pretrain flow's steps, timed by wrapping the flow's own ``train_step``."""
+    import adapter  # noqa: F401 - before megatron
+    from megatron.core.enums import ModelType
+
+    from adapter.training import pretrain as flow
+    from scripts.pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    clock = StepClock(device, warmup, profile)
+    flow.train_step = clock(flow.train_step)
+    flow.pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+                  argv=_flow_argv(name, steps, warmup, extra))
+    clock.finish()
+    return {"seconds": clock.seconds, "peak_memory": _peak_memory(device)}
+
+
+def _hf_model(name: str, device: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import models
+    from models.hf import config_to_hf
+
+    hf = config_to_hf(models.get(name))
+    hf.pop("architectures"), hf.pop("torch_dtype")
+    config = AutoConfig.for_model(**hf)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", torch_dtype=torch.float32)
+    return model.to(device).train()
+
+
+def run_transformers(name: str, device: str, steps: int, warmup: int, profile: str | None) -> dict:
+    """HF Trainer's bf16 step: fp32 parameters under autocast, fused AdamW, clip 1.0."""
+    import torch
+
+    model = _hf_model(name, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    seq, micro = SHAPES[name]
+    tokens = torch.randint(0, model.config.vocab_size, (micro, seq), device=device)
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    clock = StepClock(device, warmup, profile)
+    step = clock(train_step)
+    for _ in range(warmup + steps):
+        step()
+    clock.finish()
+    return {"seconds": clock.seconds, "peak_memory": _peak_memory(device)}
+
+
+def matmul_peak(device: str, size: int, repeats: int = 10) -> float:
+    """Best bf16 FLOP/s of a square ``torch.mm`` on ``device``."""
+    import torch
+
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def _child(args, kind: str, name: str = "", variant: str = "") -> dict | float:
+    """One fresh interpreter for ``kind`` (flow, transformers or peak); ``variant``: leads turned off."""
+    off = [lead for lead in variant.split(",") if lead]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "ADAPTER_BACKEND": args.device, **{k: v for lead in off for k, v in OFF[lead][0].items()}}
+    profile = (str(Path(args.profile) / f"{name}-{kind}{'-' + variant if variant else ''}.txt")
+               if args.profile and name else "")
+    command = [sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--child", kind, "--device", args.device,
+               "--models", name or "none", "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--peak-size", str(args.peak_size), "--profile", profile,
+               "--child-extra=" + " ".join(arg for lead in off for arg in OFF[lead][1])]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{kind} {name} {variant} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _run_child(args) -> None:
+    name, extra = args.models[0], args.child_extra.split()
+    profile = args.profile or None
+    if args.child == "peak":
+        result = matmul_peak(args.device, args.peak_size)
+    elif args.child == "flow":
+        result = run_flow(name, args.device, args.steps, args.warmup, profile, extra)
+    else:
+        result = run_transformers(name, args.device, args.steps, args.warmup, profile)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _row(name: str, side: str, result: dict, base: dict, peak: float) -> list[str]:
+    import models
+    from adapter.training.training_log import model_flops_per_token
+
+    seq, micro = SHAPES[name]
+    rate = micro * seq * len(result["seconds"]) / sum(result["seconds"])
+    base_rate = micro * seq * len(base["seconds"]) / sum(base["seconds"])
+    flops = rate * model_flops_per_token(models.get(name), seq)
+    return [name, side, f"{rate:.0f}", f"{rate / base_rate:.3f}", f"{flops / 1e12:.3g}",
+            f"{100 * flops / peak:.1f}%", f"{result['peak_memory'] / 2**30:.2f}"]
+
+
+def _print(rows: list[list[str]], markdown: bool) -> None:
+    header = ["model", "run", "tokens/s", "/ transformers", "model TFLOP/s", "% of bf16 peak", "peak GiB"]
+    if markdown:
+        print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        return
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-1.7b"])
+    parser.add_argument("--tiny", action="store_true", help="qwen2.5-tiny only (a CPU check, < 2 minutes)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peak-size", type=int, help="the matmul peak's size (default 8192 on CUDA, 2048 on CPU)")
+    parser.add_argument("--profile", help="a folder: one torch.profiler table per run")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--variants", nargs="*", default=[],
+                        help=f"flow runs with leads off, each a comma-separated subset of {', '.join(OFF)}")
+    parser.add_argument("--child", choices=["flow", "transformers", "peak"], help=argparse.SUPPRESS)
+    parser.add_argument("--child-extra", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.peak_size = args.peak_size or (8192 if args.device == "cuda" else 2048)
+    if args.child:
+        return _run_child(args)
+    models = ["qwen2.5-tiny"] if args.tiny else args.models
+    unknown = [m for m in models if m not in SHAPES] + [v for v in args.variants for lead in v.split(",")
+                                                         if lead not in OFF]
+    if unknown:
+        parser.error(f"unknown: {unknown}; models: {list(SHAPES)}, leads: {list(OFF)}")
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    peak = _child(args, "peak")
+    rows = []
+    for name in models:
+        base = _child(args, "transformers", name)
+        runs = {"flow": _child(args, "flow", name)}
+        runs.update({f"flow -{v}": _child(args, "flow", name, v) for v in args.variants})
+        rows += [_row(name, side, result, base, peak) for side, result in {**runs, "transformers": base}.items()]
+    print(f"{args.device}: bf16 matmul peak ({args.peak_size}^3) {peak / 1e12:.2f} TFLOP/s; {args.warmup} warm-up + "
+          f"{args.steps} measured steps; model FLOPs: 6 x matmul params + 12 x layers x seq x attention width per "
+          "token (full s^2 attention)")
+    _print(rows, args.markdown)
+    print("goals: flow / transformers >= 1.15; >= 50% of the bf16 peak at 1.5B/1.7B; flow peak memory <= transformers'")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Start-up of the pretrain flow: launch to the end of its first iteration, against the same launcher only
+importing torch and megatron-core.
+
+Two kinds of run, interleaved round by round (the order alternating, so drift on the machine hits both):
+
+- ``imports``: ``torchrun --nproc_per_node 1`` of a script that imports torch and the megatron-core
+  modules every pretraining program on it needs (the GPT model, the optimizer, DDP, the pipeline
+  schedules, the GPT datasets) and exits;
+- ``flow``: ``torchrun --nproc_per_node 1 scripts/pretrain_gpt.py`` training a tiny model one iteration on
+  mock data (no evaluation, no save) and exiting; it prints its own phases (imports, initialize, model and
+  optimizer, data, first iteration), which are collected too.
+
+Both are wall clock from before the launcher starts to its exit, so the flow's figure is its start-up plus
+its teardown. ``--cold`` gives every flow run a new, empty torch.compile cache (TORCHINDUCTOR_CACHE_DIR):
+what the first launch on a machine pays; without it the cache of earlier launches is used, as a second
+launch would.
+
+Usage: python bench/startup.py [--device cpu|cuda] [--rounds 3] [--model qwen2.5-tiny] [--cold] [--markdown]
+Exits 0 whatever the ratio (a benchmark, not a test); 1 when a run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+IMPORTS = ("import torch\nimport megatron.core.models.gpt, megatron.core.optimizer, megatron.core.distributed\n"
+           "import megatron.core.pipeline_parallel, megatron.core.datasets.gpt_dataset\n")
+PHASES = re.compile(r"time from launch to the end of the first iteration: ([0-9.]+) s \((.*)\)")
+
+
+def _torchrun(args: list[str], env: dict) -> tuple[float, str]:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args[:2])} failed ({done.returncode}):\n"
+                         f"{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    return seconds, done.stdout
+
+
+def flow_argv(model: str, device: str) -> list[str]:
+    precision = ["--bf16"] if device == "cuda" else []
+    return ["scripts/pretrain_gpt.py", "--model", model, "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--seq-length", "64", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--eval-iters", "0",
+            "--eval-interval", "1000", "--log-interval", "1", *precision]
+
+
+def measure(args) -> dict:
+    env = {**os.environ, "ADAPTER_BACKEND": args.device, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    times = {"imports": [], "flow": []}
+    phases: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="startup-") as tmp:
+        script = Path(tmp) / "imports_only.py"
+        script.write_text(IMPORTS)
+        for round_ in range(args.rounds):
+            for kind in (("imports", "flow") if round_ % 2 == 0 else ("flow", "imports")):
+                if kind == "imports":
+                    times[kind].append(_torchrun([str(script)], env)[0])
+                    continue
+                flow_env = {**env, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(dir=tmp)} if args.cold else env
+                seconds, out = _torchrun(flow_argv(args.model, args.device), flow_env)
+                times[kind].append(seconds)
+                found = PHASES.search(out)
+                phases.append(found.group(2) if found else "(no start-up line)")
+    return {"times": times, "phases": phases}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="qwen2.5-tiny")
+    parser.add_argument("--cold", action="store_true", help="an empty torch.compile cache for every flow run")
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    result = measure(args)
+    imports, flow = (statistics.median(result["times"][k]) for k in ("imports", "flow"))
+    load = os.getloadavg()[0]
+    cache = "cold" if args.cold else "warm"
+    for phases in result["phases"]:
+        print(f"flow phases: {phases}")
+    if args.markdown:
+        print("| device | compile cache | imports only (s) | flow to first iteration (s) | ratio | load |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        print(f"| {args.device} | {cache} | {imports:.1f} | {flow:.1f} | {flow / imports:.2f}x | {load:.1f} |")
+    else:
+        print(f"{args.device}, {cache} compile cache, median of {args.rounds}: imports only {imports:.1f} s, "
+              f"flow to its first iteration {flow:.1f} s: {flow / imports:.2f}x (load average {load:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
