@@ -20,7 +20,8 @@ setup(
                                     "models.*"]),
     install_requires=[
         "torch>=2.6",
-        "megatron-core==0.16.1",
+        # 0.16.1 is the newest for Python 3.10/3.11; 0.17.0 and later need Python 3.12, where pip takes 0.19.2
+        "megatron-core>=0.16.1,<=0.19.2",
         "wrapt>=1.14",
         "packaging",
         "sentencepiece",

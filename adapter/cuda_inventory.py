@@ -1,9 +1,9 @@
 """Every CUDA spelling in a package's source, each with the reason it is safe off CUDA, or none.
 
-``tests/test_cuda_inventory.py`` runs this over the installed megatron-core (and megatron.training when a
-Megatron-LM checkout is importable) and fails naming file:line for each site without a verdict, so a new
-megatron release shows exactly what it added. It reads source text only (``ast``), imports nothing of
-megatron, and takes a few seconds.
+``tests/test_cuda_inventory.py`` runs this over the installed megatron-core and megatron.training (the
+megatron-core wheel's from 0.17, a Megatron-LM checkout's on 0.16) and fails naming file:line for each site
+without a verdict, so a new megatron release shows exactly what it added. It reads source text only
+(``ast``), imports nothing of megatron, and takes a few seconds.
 
 A site is one spelling: ``torch.cuda.X``, ``from torch.cuda import X``, a ``"cuda"`` / ``"cuda:N"`` /
 ``"nccl"`` string, a ``'torch.cuda.*Tensor'`` type name, ``.cuda()``, ``.is_cuda``, and pinned host memory
@@ -49,7 +49,7 @@ class Site:
     spelling: str
     function: str  # qualified name of the enclosing function, or "<module>"
     verdict: str  # "" when nothing accounts for it
-    key: str = ""  # the table entry or feature that gave the verdict, if one did
+    key: str = ""  # the table entry, or feature's code entry, that gave the verdict, if one did
 
     def __str__(self):
         return f"{self.path}:{self.line}: {self.spelling} in {self.function}: {self.verdict or 'UNACCOUNTED'}"
@@ -257,9 +257,10 @@ _RULES = {"import": "device layer", "torch.cuda": "device layer", "device-layer"
 def _verdict(module: str, spelling: str, qualname: str, wrapped: bool, context: str,
              replaced: frozenset) -> tuple[str, str]:
     """(verdict, the table key or feature behind it)."""
-    feature = cuda_only_features.owner(module, qualname, spelling)
-    if feature is not None:
-        return f"refused: {feature.name} ({', '.join(feature.settings) or 'constructing it'})", feature.name
+    owned = cuda_only_features.owning_code(module, qualname, spelling)
+    if owned is not None:
+        feature, code = owned
+        return f"refused: {feature.name} ({', '.join(feature.settings) or 'constructing it'})", code
     target = _replaced_by_patch(module, qualname, replaced)
     if target:
         return f"patched: {target}", target

@@ -51,19 +51,27 @@ FEATURES = (
     Feature("NCCL user buffers", ("nccl_ub",), ("megatron.core.nccl_allocator",),
             "buffers are registered with NCCL from CUDA memory pools"),
     Feature("fine-grained activation offloading", ("fine_grained_activation_offloading",),
-            ("megatron.core.pipeline_parallel.fine_grained_activation_offload:GPUTensorPool",),
+            ("megatron.core.pipeline_parallel.fine_grained_activation_offload",),
             "activations move between CUDA memory and pinned host memory on CUDA streams"),
     Feature("symmetric-memory all-reduce", ("symmetric_ar_type",),
-            ("megatron.core.utils:GlobalSymmetricMemoryBuffer",),
+            ("megatron.core.utils:GlobalSymmetricMemoryBuffer",  # 0.16
+             "megatron.core.inference.symmetric_memory:SymmetricMemoryBuffer"),  # 0.17+
             "torch's symmetric memory needs NVLink-connected CUDA devices"),
     Feature("inference-optimized layers", ("use_inference_optimized_layers",),
-            ("megatron.core.tensor_parallel.inference_layers",),
-            "they size their collectives by the GPU's multiprocessor count"),
+            ("megatron.core.tensor_parallel.inference_layers",  # 0.16; from 0.17 it holds no CUDA site itself:
+             "megatron.core.inference.communication.torch_symm_triton",  # its NVLS collectives (0.17+)
+             "megatron.core.inference.moe"),  # and its MoE kernels (0.18+)
+            "they are Transformer Engine layers whose collectives and MoE kernels are triton programs on CUDA "
+            "symmetric memory, sized by the GPU's multiprocessor count"),
+    Feature("optimizer CUDA graphs", ("optimizer_cuda_graph",),
+            ("megatron.core.optimizer.optimizer_cuda_graph",),  # 0.17+
+            "the optimizer step is captured and replayed as a CUDA graph"),
     Feature("the dynamic inference engine", (),
             ("megatron.core.inference.contexts.dynamic_context",
              "megatron.core.inference.contexts.fused_kv_append_kernel",
              "megatron.core.inference.engines.dynamic_engine",
              "megatron.core.inference.unified_memory",
+             "megatron.core.inference.utils:device_memory_summary",  # torch_memory_saver's log line (0.17+)
              "megatron.training.training:pretrain torch.cuda.use_mem_pool"),
             "its KV cache lives in CUDA memory pools and is filled by triton kernels",
             ("megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext.__init__",
@@ -71,8 +79,13 @@ FEATURES = (
     Feature("NVSHMEM weight refit", ("refit_method",), ("megatron.core.resharding.nvshmem_copy_service",),
             "NVSHMEM copies between CUDA devices; --refit-method gloo works on every backend",
             values=("nvshmem",)),
+    Feature("NIXL weight refit", ("refit_method",),
+            ("megatron.core.resharding.copy_services.nixl_copy_service",),  # 0.19+
+            "NIXL registers the weights as CUDA memory with UCX's cuda transports; --refit-method gloo works "
+            "on every backend", values=("nixl",)),
     Feature("CUDA memory history", ("record_memory_history",),
-            ("megatron.training.training:training_log torch.cuda.memory._snapshot",),
+            ("megatron.training.training:training_log torch.cuda.memory._snapshot",
+             "megatron.training.utils.utils:start_memory_history_recording"),  # 0.19+
             "the snapshot is the CUDA caching allocator's"),
     Feature("nsys profiling", ("profile",),
             ("megatron.training.training:post_training_step_callbacks torch.cuda.cudart",
@@ -112,6 +125,13 @@ def check(source) -> None:
 
 def owner(module: str, qualname: str, spelling: str) -> Feature | None:
     """The feature whose code holds this site, or None."""
+    found = owning_code(module, qualname, spelling)
+    return found[0] if found else None
+
+
+def owning_code(module: str, qualname: str, spelling: str) -> tuple[Feature, str] | None:
+    """(feature, the entry of its ``code`` that holds this site), or None: the inventory names the entry,
+    so that an entry matching nothing on a release that has its code is found stale."""
     for feature in FEATURES:
         for code in feature.code:
             where, _, only = code.partition(" ")
@@ -122,5 +142,5 @@ def owner(module: str, qualname: str, spelling: str) -> Feature | None:
                 continue
             if only and spelling != only:
                 continue
-            return feature
+            return feature, code
     return None

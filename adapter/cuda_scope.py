@@ -212,10 +212,17 @@ def _names_torch(instruction) -> bool:
     return instruction is not None and instruction[0].startswith("LOAD_") and instruction[1] == "torch"
 
 
+def _names_cuda_version(instruction) -> bool:
+    """``version`` before ``.cuda``: ``torch.version.cuda``, the CUDA version string (0.19 tests it in
+    ``if torch.version.cuda``), not a method."""
+    return instruction is not None and instruction[0] in _ATTRIBUTE_LOADS and instruction[1] == "version"
+
+
 def _tensor_method_here(code: types.CodeType) -> bool:
     """``.cuda(...)`` on anything but the name torch, or ``.to("cuda...")``, in ``code``'s own instructions."""
     names = code.co_names
-    if "cuda" in names and any(not _names_torch(before) and (after is None or after[0] not in _ATTRIBUTE_LOADS)
+    if "cuda" in names and any(not _names_torch(before) and not _names_cuda_version(before)
+                               and (after is None or after[0] not in _ATTRIBUTE_LOADS)
                                for before, after in _attribute_loads(code, "cuda")):
         return True
     return "to" in names and any(after is not None and after[0] == "LOAD_CONST" and _is_device_string(after[1])

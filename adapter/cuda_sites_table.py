@@ -5,9 +5,17 @@ patch named here is registered.
 
 Keys: ``"module:Qualname spelling"`` (``<module>`` for module-level code); a key without a spelling
 covers every site of that function, a key without a qualname every site of that module.
+
+megatron-core moves and adds CUDA sites between releases; ``RELEASES`` says which supported releases have
+the site of an entry (of these tables, or of a feature's ``code`` in ``adapter.cuda_only_features``) that
+not all of them have, so an entry is checked on the releases that have its site and is not stale on the
+others.
 """
 
 from __future__ import annotations
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 AS_WRITTEN = {
     "megatron.core.model_parallel_config:ModelParallelConfig 'nccl'":
@@ -20,6 +28,15 @@ AS_WRITTEN = {
         "a backend test: with gloo or hccl the detector takes its host-timer branch",
     "megatron.core.transformer.mlp:apply_swiglu_sharded_factory.sh_ten_merge_fn torch.cuda.OutOfMemoryError":
         "an exception class to catch; off CUDA it is never raised and the clause never matches",
+    "megatron.core.transformer.utils:cat_with_oom_fallback torch.cuda.OutOfMemoryError":
+        "the merge of mlp's sh_ten_merge_fn, moved here: an exception class to catch, never raised off CUDA",
+    "megatron.core.transformer.transformer_config:TransformerConfig 'nccl'":
+        "a Literal choice of inference_moe_token_dispatcher_type, an inference all-gather strategy, not a "
+        "torch.distributed backend",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:"
+    "FileSystemWriterAsync.prepare_write_data._clone_or_dequantize_if_needed 'cuda'":
+        "a device-type test for Transformer Engine's quantized tensors, which exist only on CUDA: off CUDA it "
+        "answers False and the tensor is written as it is",
     "megatron.core.tensor_parallel.layers:<module> torch.cuda.amp.custom_fwd":
         "fallback for torch < 2.4; with torch >= 2.4 (required) torch.amp.custom_fwd with device_type "
         "'cuda' is taken, which the strings view routes",
@@ -34,6 +51,12 @@ AS_WRITTEN = {
         "selects the NCCL copy service, which sends on torch.distributed's default group (gloo, hccl)",
     "megatron.training.arguments:_add_distributed_args 'nccl'":
         "default and choice of --distributed-backend; the adapter's validate_args patch sets the backend's",
+    "megatron.training.config.common_config:DistributedInitConfig 'nccl'":
+        "default and Literal choice of distributed_backend, --distributed-backend's config form; the "
+        "adapter's validate_args patch sets the backend's, and a group it names is routed",
+    "megatron.training.gpu_sniff_test:main":
+        "the standalone entry point of a GPU benchmark (torchrun megatron/training/gpu_sniff_test.py), run by "
+        "hand on a GPU machine; training reaches only run_gpu_sniff_test, whose sites are routed",
     "megatron.training.arguments:_add_rl_args 'nccl'":
         "a choice of --refit-method; see megatron.core.resharding.refit",
 }
@@ -42,7 +65,42 @@ AS_WRITTEN = {
 PATCHED = {
     "megatron.core.dist_checkpointing.exchange_utils:_get_empty_tensor_for_exchange 'cuda'":
         "megatron.core.dist_checkpointing.mapping:ShardedTensor.init_data",
+    # megatron.training.utils became a package in 0.18; the patch rebinds every copy of the function
+    "megatron.training.utils.common_utils:get_device_arch_version":
+        "megatron.training.utils:get_device_arch_version",
 }
+
+
+# entry -> the supported releases that have its site, where not all do (PEP 440, megatron-core's version)
+RELEASES = {
+    "megatron.core.transformer.mlp:apply_swiglu_sharded_factory.sh_ten_merge_fn torch.cuda.OutOfMemoryError":
+        "<0.18",
+    "megatron.core.transformer.utils:cat_with_oom_fallback torch.cuda.OutOfMemoryError": ">=0.18",
+    "megatron.core.transformer.transformer_config:TransformerConfig 'nccl'": ">=0.18",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:"
+    "FileSystemWriterAsync.prepare_write_data._clone_or_dequantize_if_needed 'cuda'": ">=0.17",
+    "megatron.training.arguments:_add_distributed_args 'nccl'": "<0.17",
+    "megatron.training.config.common_config:DistributedInitConfig 'nccl'": ">=0.17",
+    "megatron.training.gpu_sniff_test:main": ">=0.18",
+    "megatron.training.utils.common_utils:get_device_arch_version": ">=0.18",
+    # features' code (adapter.cuda_only_features)
+    "megatron.core.utils:GlobalSymmetricMemoryBuffer": "<0.17",
+    "megatron.core.inference.symmetric_memory:SymmetricMemoryBuffer": ">=0.17",
+    "megatron.core.tensor_parallel.inference_layers": "<0.17",
+    "megatron.core.inference.communication.torch_symm_triton": ">=0.17",
+    "megatron.core.inference.moe": ">=0.18",
+    "megatron.core.optimizer.optimizer_cuda_graph": ">=0.17",
+    "megatron.core.resharding.copy_services.nixl_copy_service": ">=0.19",
+    "megatron.core.inference.utils:device_memory_summary": ">=0.17",
+    "megatron.training.utils.utils:start_memory_history_recording": ">=0.19",
+}
+
+
+def on_release(entry: str, release: str) -> bool:
+    """Whether megatron-core ``release`` has the site(s) of ``entry``: where it has, an entry that matches
+    nothing is stale; where it has not, the entry is another release's."""
+    spec = RELEASES.get(entry)
+    return spec is None or Version(release) in SpecifierSet(spec)
 
 
 def _lookup(table: dict, module: str, qualname: str, spelling: str):

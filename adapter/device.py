@@ -199,15 +199,54 @@ def _index(device) -> int | None:
     return device
 
 
-def Stream(device=None, priority: int = 0, **kwargs):  # noqa: N802 - mirrors torch.cuda.Stream
-    accel = _accel()
-    if accel is None:
-        return _CPU_STREAM
-    return accel.Stream(device=_index(device), priority=priority, **kwargs)
+class _MadeByTheBackend(type):
+    """The type of ``Stream`` and ``Event`` below: a class, as torch.cuda's are, so megatron's annotations
+    evaluated at import (0.19's megatron_fsdp class body: ``torch.cuda.Event | None``) and its isinstance
+    checks work; constructing one gives the backend's own object (``make``), which is what runs."""
+
+    def __call__(cls, *args, **kwargs):
+        return cls.make(*args, **kwargs)
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, cls.made())
+
+    def __subclasscheck__(cls, other):
+        return isinstance(other, type) and issubclass(other, cls.made())
 
 
-def Event(*args, **kwargs):  # noqa: N802 - mirrors torch.cuda.Event
-    return _CpuEvent(*args, **kwargs) if _accel() is None else _accel().Event(*args, **kwargs)
+class Stream(metaclass=_MadeByTheBackend):
+    """torch.cuda.Stream: the backend's stream; on CPU its one stream."""
+
+    @staticmethod
+    def make(device=None, priority: int = 0, **kwargs):
+        accel = _accel()
+        if accel is None:
+            return _CPU_STREAM
+        return accel.Stream(device=_index(device), priority=priority, **kwargs)
+
+    @staticmethod
+    def made() -> tuple:
+        return (_accel().Stream,) if _accel() is not None else (torch.cpu.Stream,)
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        """(lowest, highest) stream priority (0.19's high-priority communication stream asks it); the CPU's
+        one stream has a single priority."""
+        accel = _accel()
+        ranged = getattr(getattr(accel, "Stream", None), "priority_range", None)
+        return tuple(ranged()) if ranged else (0, 0)
+
+
+class Event(metaclass=_MadeByTheBackend):
+    """torch.cuda.Event: the backend's event; on CPU one that keeps the time it was recorded."""
+
+    @staticmethod
+    def make(*args, **kwargs):
+        return _CpuEvent(*args, **kwargs) if _accel() is None else _accel().Event(*args, **kwargs)
+
+    @staticmethod
+    def made() -> tuple:
+        return (_accel().Event,) if _accel() is not None else (torch.cpu.Event,)
 
 
 def current_stream(device=None):
@@ -222,6 +261,14 @@ def default_stream(device=None):
 
 def stream(s):
     return _device_attr("stream")(s)
+
+
+def is_current_stream_capturing() -> bool:
+    """Whether a graph is being captured on the current stream (0.19 skips router tracing and asserts
+    outside capture): the backend's answer where it captures graphs, else False (nothing captures)."""
+    accel = _accel()
+    capturing = getattr(accel, "is_current_stream_capturing", None) if accel else None
+    return bool(capturing()) if capturing else False
 
 
 def device(index):

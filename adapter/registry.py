@@ -10,7 +10,8 @@ Guarantees, each covered by tests/test_registry.py:
 - copies bound by value elsewhere (``from x import f``) are rebound, and restored on revert, also
   those taken while patched; not for shared immutables (None, small ints, strings: ``is`` proves nothing);
 - wrappers stack on the replacement (or the original) in registration order, first registered innermost;
-- two replacements of one target, or a target the installed megatron-core lacks, are clear errors.
+- two replacements of one target, or a target the installed megatron-core lacks, are clear errors;
+- a ``bind`` fills a name megatron left unbound or bound to None, and revert puts back exactly that.
 
 A ``route`` patch (target ``"package:*"``) changes no attribute: it hands every module of the package,
 imported now or later, to a router (``adapter.cuda_scope``) on apply and takes it back on revert.
@@ -26,6 +27,7 @@ import inspect
 import os
 import sys
 import threading
+import warnings
 from typing import Any, Callable, Iterable
 
 import wrapt
@@ -102,7 +104,7 @@ class PatchRegistry:
         """``copy_scope``: the top-level packages whose modules are searched for by-value copies."""
         self._backend = backend
         self._copy_scope = copy_scope
-        self._megatron_version = megatron_version or _installed_megatron_core_version
+        self._megatron_version = megatron_version or installed_megatron_core_version
         self._patches: dict[str, list[Patch]] = {}
         self._applied: dict[str, _Applied] = {}
         self._skipped: dict[str, str] = {}
@@ -130,7 +132,8 @@ class PatchRegistry:
              backends: Iterable[str] = ALL_BACKENDS) -> None:
         """Register ``value`` for a module-level name that megatron's import leaves unbound: an
         ``except ImportError`` branch that forgets one of the names its ``try`` imports from an optional
-        library. Where megatron bound it (the library is there), nothing changes and the status says so."""
+        library, or (megatron-core 0.17+) binds it to None. Where megatron bound it to something else (the
+        library is there), nothing changes and the status says so."""
         self._register(Patch(target, value, reason, "bind", frozenset(backends), versions, optional=True,
                              rebind_copies=False))
 
@@ -195,6 +198,21 @@ class PatchRegistry:
 
     def applied(self, target: str) -> bool:
         return target in self._applied or target in self._routed
+
+    def check_release(self, versions: str, checked_on: tuple[str, ...]) -> None:
+        """Refuse, before any patch goes in, a megatron-core outside the supported ``versions``, in one line
+        naming the releases the table was ``checked_on``; with ADAPTER_ALLOW_UNTESTED_MEGATRON=1 go on with
+        a warning saying the same."""
+        installed = self._megatron_version()
+        if _version_allowed(installed, versions):
+            return
+        message = (f"megatron-core {installed} is installed; the adapter supports megatron-core{versions} "
+                   f"(checked on {', '.join(checked_on)})")
+        if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+            warnings.warn(f"{message}: trying it anyway ({ALLOW_UNTESTED_ENV}=1)", stacklevel=2)
+            return
+        raise PatchVersionError(f"{message}. Install one (pip install 'megatron-core{versions}'), or set "
+                                f"{ALLOW_UNTESTED_ENV}=1 to try it anyway.")
 
     def checked(self, versions: str) -> bool:
         """Whether a change declared for megatron-core ``versions`` may go in here: the installed
@@ -312,7 +330,7 @@ class PatchRegistry:
         own = vars(owner) if hasattr(owner, "__dict__") else {}
         had_own = name in own
         if stack[0].kind == "bind":
-            return self._bind_one(owner, name, target, stack[0], bound=had_own or hasattr(owner, name))
+            return self._bind_one(owner, name, target, stack[0], had_own)
         if not had_own and not hasattr(owner, name):
             raise PatchTargetError(
                 f"patch target {target}: {name} does not exist in the installed megatron-core {version}. "
@@ -336,11 +354,15 @@ class PatchRegistry:
         self._applied[target] = record
         return record
 
-    def _bind_one(self, owner, name: str, target: str, patch: Patch, bound: bool) -> _Applied:
-        if bound:  # optional: recorded as skipped, with this reason
+    def _bind_one(self, owner, name: str, target: str, patch: Patch, had_own: bool) -> _Applied:
+        """A name bound to None counts as unbound: megatron-core 0.16 leaves an optional library's names out
+        of its ``except ImportError`` branch, 0.17+ binds them to None there (moe_utils' fused permutation),
+        and either way megatron reads the name as "the library is missing". Revert puts back what was
+        there: no name, or None."""
+        if getattr(owner, name, None) is not None:  # optional: recorded as skipped, with this reason
             raise PatchTargetError(f"{name} is bound by megatron here: nothing to bind")
         setattr(owner, name, patch.new)
-        record = _Applied(owner, name, False, None, None, [])
+        record = _Applied(owner, name, had_own, None, None, [])
         self._applied[target] = record
         return record
 
@@ -381,7 +403,9 @@ def _version_allowed(version: str, spec: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _installed_megatron_core_version() -> str:
+def installed_megatron_core_version() -> str:
+    """The installed megatron-core's version: what every patch's ``versions`` and every per-release
+    branch of the adapter (``patches``, the training flow, models) are decided on."""
     try:
         return importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:

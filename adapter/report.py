@@ -6,8 +6,10 @@ patch. To learn the last, it imports each megatron module a patch targets, with 
 non-strict mode: a patch that cannot be applied (a missing attribute, an unchecked megatron-core, a
 module that fails to import) is a row with its error, never a traceback, so one broken patch does not
 hide the state of the others. Apart from that switch, the report changes nothing that ``import adapter``
-and importing those megatron modules would not. Patches into Megatron-LM's megatron.training and
-megatron.legacy are skipped, with why, where no Megatron-LM checkout is importable (a pip install). The
+and importing those megatron modules would not. Patches into megatron.training and megatron.legacy are
+skipped, with why, where those packages are not importable: megatron.legacy comes only from a Megatron-LM
+checkout, megatron.training from one too on megatron-core 0.16, while from 0.17 the megatron-core wheel
+ships it (so a pip install applies its patches); the versions section says which source it is. The
 report also lists the import stand-ins (adapter.stand_ins) and whether each is in use.
 """
 
@@ -31,7 +33,7 @@ import adapter
 from adapter import backend as _backend
 from adapter import device as _device
 from adapter import cuda_scope, kernels, own_packages, quiet_warnings, stand_ins
-from adapter.core_source import megatron_lm_checkout
+from adapter.core_source import megatron_training
 from adapter.registry import PatchRegistry
 
 NOT_INSTALLED = "not installed"
@@ -53,7 +55,8 @@ FUNCTION_OPS = {
                       "cross_entropy_loss_fusion=True"),
 }
 SPEC_ROUTE = "megatron's get_gpt_layer_local_spec (LocalSpecProvider)"
-# Megatron-LM's packages, which the megatron-core distribution lacks: patches into them wait for a checkout
+# packages a megatron-core wheel may lack (megatron.training before 0.17, megatron.legacy always): patches into
+# them wait for a Megatron-LM checkout
 MEGATRON_LM_PACKAGES = ("megatron.training", "megatron.legacy")
 
 
@@ -195,14 +198,13 @@ def megatron_core_version() -> str:
 
 
 def megatron_lm_location() -> str:
-    """Where Megatron-LM's megatron.training comes from (the megatron-core wheel has none)."""
+    """Where megatron.training comes from: the megatron-core wheel (0.17+) or a Megatron-LM checkout (which
+    a 0.16 install needs for it, and which comes first on PYTHONPATH when there is one)."""
     try:
-        checkout = megatron_lm_checkout()
+        training = megatron_training()
     except Exception as exc:
         return _error(exc)
-    if checkout is None:
-        return "megatron.training not found"
-    return f"megatron.training from {checkout / 'megatron' / 'training'}"
+    return "megatron.training not found" if training is None else str(training)
 
 
 def apex_version() -> str:

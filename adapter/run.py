@@ -5,10 +5,12 @@ unchanged, with the adapter imported first in its process and in every Python pr
         /path/to/Megatron-LM/pretrain_gpt.py <Megatron-LM arguments>
 
 In order:
-1. Megatron-LM's megatron.training must be importable (a checkout at tag core_v0.16.1 on PYTHONPATH).
+1. megatron.training must be importable: megatron-core 0.17+ wheels ship it; with 0.16.1 it comes from a
+   Megatron-LM checkout at tag core_v0.16.1 on PYTHONPATH.
 2. ``megatron.core`` comes from the installed megatron-core distribution when there is one (see
-   adapter.core_source for why), megatron.training and megatron.legacy from the checkout, whose
-   megatron/core must be the same version: it is what its megatron.training was written against.
+   adapter.core_source for why). megatron.training and megatron.legacy come from a checkout on PYTHONPATH
+   when there is one, whose megatron/core must then be the same version: it is what its megatron.training
+   was written against; without one, from the wheel (0.17+: megatron.training, no megatron.legacy).
    Without the distribution, the checkout's megatron.core is used.
 3. ``adapter/_spawn_hook`` goes first on PYTHONPATH: its sitecustomize.py does the above in every Python
    process started from here on, before that process's main module runs. multiprocessing 'spawn' children
@@ -30,12 +32,15 @@ import sys
 from pathlib import Path
 
 import adapter  # noqa: F401 - the backend and the patch table, before anything imports megatron
-from adapter.core_source import installed_megatron_core, megatron_lm_checkout, prefer_installed_megatron_core
+from adapter.core_source import (CHECKOUT, installed_megatron_core, megatron_lm_checkout, megatron_training,
+                                 prefer_installed_megatron_core)
 
 HOOK_DIR = Path(__file__).resolve().parent / "_spawn_hook"
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # where ``import adapter`` finds the adapter
+# only megatron-core 0.16's wheel lacks megatron.training (0.17+ ships it)
 NO_MEGATRON_TRAINING = ("megatron.training is not importable: put a Megatron-LM checkout at tag core_v0.16.1 "
-                        "on PYTHONPATH (git clone --branch core_v0.16.1 https://github.com/NVIDIA/Megatron-LM)")
+                        "on PYTHONPATH (git clone --branch core_v0.16.1 https://github.com/NVIDIA/Megatron-LM), "
+                        "or install a megatron-core 0.17+ wheel, which ships it")
 
 
 class LaunchError(Exception):
@@ -54,10 +59,14 @@ def _package_version(package_info: Path) -> str:
 
 
 def check_megatron_lm() -> None:
-    """megatron.training importable; a checkout's megatron/core the installed megatron-core's version."""
-    checkout = megatron_lm_checkout()
-    if checkout is None:
+    """megatron.training importable; a checkout's megatron/core the installed megatron-core's version (the
+    wheel's megatron.training, 0.17+, is its own release's)."""
+    training = megatron_training()
+    if training is None:
         raise LaunchError(NO_MEGATRON_TRAINING)
+    if training.origin != CHECKOUT:
+        return
+    checkout = megatron_lm_checkout()
     package_info = checkout / "megatron" / "core" / "package_info.py"
     core = installed_megatron_core()
     if core is None or not package_info.is_file() or package_info.parent == core:

@@ -1,16 +1,22 @@
 """Model weights in megatron's torch_dist checkpoint format, as Megatron-LM lays it out on disk:
 
     <dir>/latest_checkpointed_iteration.txt   "release" or the iteration number
-    <dir>/release/ or <dir>/iter_0000100/     metadata.json, common.pt, .metadata, *.distcp
+    <dir>/release/ or <dir>/iter_0000100/     metadata.json, .metadata, *.distcp (and common.pt, before 0.19)
 
 torch_dist stores each tensor once, under its global shape, in chunks; megatron's loader reads whatever
 region a rank needs, so one checkpoint loads at any TP/PP/VPP. This module writes such a checkpoint one
 chunk at a time (memory: one tensor, not the model) and reads it back a layer at a time or into models.
+
+The plain (non-tensor) "common" state moved in megatron-core 0.19: up to 0.18 ``dist_checkpointing.save``
+writes it to ``common.pt``; from 0.19 it is the ShardedObject ``common_state`` inside the torch_dist files
+and no ``common.pt`` is written. 0.19 still reads a ``common.pt`` (so checkpoints saved before the upgrade
+resume), 0.16-0.18 cannot read the new form: such a checkpoint is refused up front (``readable_here``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import io
 import os
 import shutil
@@ -27,10 +33,15 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from packaging.version import Version
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
+COMMON_FILE = "common.pt"  # the common state up to megatron-core 0.18
+MEGATRON_CORE = Version(importlib.metadata.version("megatron-core"))
+# From 0.19 the common state is this ShardedObject inside the torch_dist files (its unique key "common_state/shard_0_1")
+COMMON_STATE_IN_SHARDS = MEGATRON_CORE >= Version("0.19")
 
 
 class CheckpointError(ValueError):
@@ -71,6 +82,7 @@ def checkpoint_to_load(load_dir: str | os.PathLike, recoverable: bool = False) -
     where ``recover_interrupted_save`` first puts back the previous copy a killed re-save moved aside."""
     load_dir = Path(load_dir)
     if (load_dir / "metadata.json").is_file():
+        readable_here(load_dir)
         return load_dir
     tracker = load_dir / TRACKER
     newest = newest_complete(load_dir) if load_dir.is_dir() else None
@@ -84,6 +96,7 @@ def checkpoint_to_load(load_dir: str | os.PathLike, recoverable: bool = False) -
         raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number or {RELEASE!r}")
     path = load_dir / checkpoint_name(text)
     if is_complete(path) or (recoverable and is_complete(aside(path, REPLACED))):
+        readable_here(path if is_complete(path) else aside(path, REPLACED))
         return path
     state = "incomplete (no metadata.json and .metadata)" if path.exists() else "missing"
     previous = aside(path, REPLACED)
@@ -107,7 +120,21 @@ def iteration_dir(load_dir: str | os.PathLike, iteration: int | str | None = Non
     path = load_dir / checkpoint_name(iteration)
     if not is_complete(path):
         raise CheckpointError(f"{path} is not a complete torch_dist checkpoint (no metadata.json and .metadata)")
+    readable_here(path)
     return path
+
+
+def readable_here(checkpoint: Path) -> None:
+    """Refuse a complete checkpoint the installed megatron-core cannot read, before any rank loads it.
+
+    Every release reads a checkpoint with ``common.pt`` (0.19 as its legacy form). One without it was saved by
+    0.19 or later, whose common state only 0.19 and later find: 0.16-0.18 would stop inside megatron's loader
+    ("Common file ... does not exist") after every rank had built its model."""
+    if COMMON_STATE_IN_SHARDS or (checkpoint / COMMON_FILE).is_file():
+        return
+    raise CheckpointError(f"{checkpoint} was saved by megatron-core 0.19 or later (its common state is inside the "
+                          f"torch_dist files; there is no {COMMON_FILE}), which megatron-core {MEGATRON_CORE} "
+                          "cannot read: load it with megatron-core 0.19 or later")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -284,14 +311,27 @@ def object_chunk(unique_key: str, value) -> tuple[WriteItem, Callable]:
     return WriteItem(index=MetadataIndex(unique_key), type=WriteItemType.BYTE_IO), produce
 
 
+def common_chunks(common: dict) -> list[tuple[WriteItem, Callable]]:
+    """The ``common`` state as a chunk of the torch_dist files where the installed megatron-core's save puts
+    it (0.19 and later: the ShardedObject ``common_state``); none before 0.19, where it is ``common.pt``."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if not COMMON_STATE_IN_SHARDS:
+        return []
+    return [object_chunk(ShardedObject("common_state", None, (1,), (0,)).unique_key, common)]
+
+
 def write_checkpoint(save_dir: str | os.PathLike, chunks: Iterable[tuple[WriteItem, Callable]],
                      common: dict, iteration: int | str = RELEASE) -> Path:
     """Write a torch_dist checkpoint from ``chunks`` and the plain ``common`` state, then point the
     tracker file at it. Atomic: it is written beside its final name and renamed when complete, and the
-    tracker is replaced last, so an interrupted write leaves any earlier checkpoint as it was."""
+    tracker is replaced last, so an interrupted write leaves any earlier checkpoint as it was.
+
+    Laid out as the installed megatron-core's ``dist_checkpointing.save`` lays out its own: the common state
+    in ``common.pt`` up to 0.18, inside the torch_dist files from 0.19 (``common_chunks``); metadata.json
+    names the sharded backend (0.16-0.18 add their one common backend, torch v1, as a default)."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-    from megatron.core.dist_checkpointing.serialization import (get_default_save_common_strategy,
-                                                                get_default_save_sharded_strategy)
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
     save_dir = Path(save_dir)
     final = save_dir / checkpoint_name(iteration)
@@ -301,7 +341,7 @@ def write_checkpoint(save_dir: str | os.PathLike, chunks: Iterable[tuple[WriteIt
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        by_id = {_item_id(item.index): (item, produce) for item, produce in chunks}
+        by_id = {_item_id(item.index): (item, produce) for item, produce in [*chunks, *common_chunks(common)]}
         # one file per chunk: the writer keeps every tensor of a file alive until the file is closed
         writer = FileSystemWriter(partial, single_file_per_rank=False)
         planner = _ChunkPlanner(by_id)
@@ -311,11 +351,10 @@ def write_checkpoint(save_dir: str | os.PathLike, chunks: Iterable[tuple[WriteIt
             if planner.failure is not None:  # the producer's own error, not torch's wrapper
                 raise planner.failure from None
             raise
+        if not COMMON_STATE_IN_SHARDS:
+            torch.save(common, partial / COMMON_FILE)
         sharded = get_default_save_sharded_strategy()
-        common_strategy = get_default_save_common_strategy()
-        torch.save(common, partial / "common.pt")
-        save_config(CheckpointingConfig(sharded.backend, sharded.version, common_strategy.backend,
-                                        common_strategy.version), partial)
+        save_config(CheckpointingConfig(sharded.backend, sharded.version), partial)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -326,7 +365,12 @@ def write_checkpoint(save_dir: str | os.PathLike, chunks: Iterable[tuple[WriteIt
 # reading
 
 def read_common(checkpoint: Path) -> dict:
-    return torch.load(checkpoint / "common.pt", map_location="cpu", weights_only=True)
+    """The plain state of ``checkpoint``, through megatron's own reader: it finds ``common.pt`` on every
+    release, and from 0.19 also the ``common_state`` object that replaced it."""
+    from megatron.core import dist_checkpointing
+
+    readable_here(checkpoint)
+    return dist_checkpointing.load_common_state_dict(str(checkpoint))
 
 
 def tensors_metadata(checkpoint: Path) -> dict:

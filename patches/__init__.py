@@ -8,10 +8,14 @@ from . import (cuda_only, cuda_routing, dist_checkpointing_devices, distrib_opti
                grad_accumulation, host_offload, kernels, megatron_lm, moe, multi_tensor, process_groups, rng,
                torch_optimizers)
 
-CHECKED_MEGATRON_CORE = "==0.16.1"
+# The megatron-core releases the patch table supports; a patch whose behaviour differs between them says
+# so in its reason (README "Supported megatron-core releases").
+CHECKED_MEGATRON_CORE = ">=0.16.1,<=0.19.2"
+CHECKED_ON = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 
 
 def register_all(registry) -> None:
+    registry.check_release(CHECKED_MEGATRON_CORE, CHECKED_ON)
     for concern in (cuda_routing, cuda_only, rng, torch_optimizers, distrib_optimizer_checkpoint,
                     dist_checkpointing_devices, gloo_collectives, host_offload, moe, multi_tensor, process_groups,
                     kernels, megatron_lm, grad_accumulation):

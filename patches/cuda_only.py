@@ -10,8 +10,10 @@ from adapter import cuda_only_features
 
 OFF_CUDA = ("cpu", "npu")
 _CONFIGS = ("megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
-            "megatron.core.distributed.distributed_data_parallel_config:DistributedDataParallelConfig.__post_init__")
-_NVSHMEM_REFIT = "megatron.core.resharding.refit:get_or_create_service"
+            "megatron.core.distributed.distributed_data_parallel_config:DistributedDataParallelConfig.__post_init__",
+            # optimizer_cuda_graph (0.17+) is an OptimizerConfig field; on 0.16.1 the config has no CUDA-only one
+            "megatron.core.optimizer.optimizer_config:OptimizerConfig.__post_init__")
+_REFIT = "megatron.core.resharding.refit:get_or_create_service"
 
 
 def refuse_configured(configure):
@@ -39,12 +41,15 @@ def _refuse_constructing(feature: cuda_only_features.Feature, target: str):
 
 
 def refuse_nvshmem_refit(get_or_create_service):
-    feature = next(f for f in cuda_only_features.FEATURES if f.settings == ("refit_method",))
+    """The refit backends that copy between CUDA devices (NVSHMEM; NIXL from 0.19) are refused by name where
+    a service is made for them; gloo (and nccl, routed to this backend's library) pass."""
+    refits = [f for f in cuda_only_features.FEATURES if f.settings == ("refit_method",)]
 
     @functools.wraps(get_or_create_service)
     def service(backend, *args, **kwargs):
-        if backend in feature.values:
-            raise cuda_only_features.refusal(feature, f"refit backend {backend!r}")
+        for feature in refits:
+            if backend in feature.values:
+                raise cuda_only_features.refusal(feature, f"refit backend {backend!r}")
         return get_or_create_service(backend, *args, **kwargs)
 
     return service
@@ -56,8 +61,8 @@ def register(registry, versions: str) -> None:
                       reason="CUDA-only features (CUDA graphs, fp8, Megatron-FSDP, ...) refused where configured")
     registry.wrap("megatron.training.arguments:validate_args", refuse_configured, versions=versions,
                   backends=OFF_CUDA, reason="CUDA-only features refused before any rank does work")
-    registry.wrap(_NVSHMEM_REFIT, refuse_nvshmem_refit, versions=versions, backends=OFF_CUDA,
-                  reason="the NVSHMEM copy service copies between CUDA devices")
+    registry.wrap(_REFIT, refuse_nvshmem_refit, versions=versions, backends=OFF_CUDA,
+                  reason="the NVSHMEM and NIXL copy services copy between CUDA devices")
     for feature in cuda_only_features.FEATURES:
         for target in feature.constructors:
             registry.wrap(target, _refuse_constructing(feature, target), versions=versions, backends=OFF_CUDA,

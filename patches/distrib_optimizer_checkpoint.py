@@ -1,4 +1,4 @@
-"""megatron-core 0.16.1's resharding checkpoint format for the distributed optimizer.
+"""megatron-core's resharding checkpoint format for the distributed optimizer (0.16.1 to 0.19.2 alike).
 
 ``sharded_param_state_fully_reshardable`` cuts each parameter's optimizer state out of the gathered
 state with the parameter's offsets in the gradient buffer, which pads every bucket to a multiple of the
@@ -7,6 +7,12 @@ padding removed. With more than one bucket, every parameter after the first buck
 neighbour's Adam moments and master weights (and past the end, zeros with a warning): a resumed run
 silently diverges. The wrapper hands the format the gathered state laid out as the buffer is, padding
 re-inserted, so the offsets point at the right elements. Loading does not use those offsets.
+
+0.18 reworked the gradient buffers: ``param_index_map`` and the bucket ranges now come from a precomputed
+``param_layout``. The fault and the fix carry over unchanged to 0.19.2. The map and ``bucket.offset`` are both
+offsets in the padded buffer, ``get_parameter_state_dp_zero`` still joins the unpadded buckets end to end, and
+``sharded_param_state_fully_reshardable`` differs from 0.16.1 in comments only. The saved format is the same on
+every release, so a checkpoint from 0.16.1 loads under 0.19.2 (tests/test_checkpoint_upgrade.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,12 @@ where the flag sends them, so the flags keep their meaning: ``bias_activation_fu
 A provider entry of None leaves megatron's own implementation in place.
 """
 
+from functools import partial
+
+from packaging.version import Version
+
 from adapter import kernels
+from adapter.registry import installed_megatron_core_version
 
 _BACKENDS = "megatron.core.models.backends:LocalSpecProvider"
 _ROPE = "megatron.core.models.common.embeddings.rope_utils"
@@ -20,8 +25,10 @@ MOE_PERMUTE_NAMES = ("fused_permute", "fused_permute_with_probs", "fused_unpermu
 _TE_ROUTER_NAMES = ("fused_moe_aux_loss", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss")
 
 
-def _spec_layer_norm(self, rms_norm: bool = False, for_qk: bool = False):
-    """LocalSpecProvider.layer_norm: the provider's norm reads config.normalization itself."""
+def _spec_layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+    """LocalSpecProvider.layer_norm: the provider's norm reads config.normalization itself. 0.17+ marks with
+    ``has_residual`` a norm whose residual add Transformer Engine may fuse (``fused_residual_rmsnorm``);
+    megatron's local spec returns its plain norm then too, and so does this."""
     return kernels.norm_module()
 
 
@@ -29,12 +36,26 @@ def _spec_core_attention(self):
     return kernels.core_attention_module()
 
 
+def _experts_are_builders() -> bool:
+    """megatron-core 0.17 made ``grouped_mlp_modules(moe_use_grouped_gemm)`` return an experts builder (a
+    ``partial`` of the experts class) and dropped the legacy GroupedMLP and its flag; 0.16 takes both
+    flags and returns ``(experts class, submodules)``."""
+    return Version(installed_megatron_core_version()) >= Version("0.17")
+
+
 def _grouped_experts_from_provider(original):
     """LocalSpecProvider.grouped_mlp_modules: ``moe_grouped_gemm`` gets megatron's ``TEGroupedMLP`` over the
-    provider's grouped linear layers; without it (SequentialMLP) or with the legacy flag, megatron's own
-    choice stays."""
+    provider's grouped linear layers, in the form the installed megatron-core asks for; without it
+    (SequentialMLP) or, on 0.16, with the legacy flag (GroupedMLP), megatron's own choice stays."""
+    if _experts_are_builders():
+        def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
+            if not moe_use_grouped_gemm:
+                return original(self, moe_use_grouped_gemm)
+            return _grouped_experts_builder(self)
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
+        return grouped_mlp_modules
+
+    def legacy_grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
         if not moe_use_grouped_gemm or moe_use_legacy_grouped_gemm:
             return original(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
         from megatron.core.transformer.mlp import MLPSubmodules
@@ -43,7 +64,18 @@ def _grouped_experts_from_provider(original):
         fc1, fc2 = kernels.grouped_linear_modules()
         return TEGroupedMLP, MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
 
-    return grouped_mlp_modules
+    return legacy_grouped_mlp_modules
+
+
+def _grouped_experts_builder(spec_provider):
+    """0.17+: ``TEGroupedMLP`` over the provider's grouped linear layers, built as megatron's TE spec
+    provider builds it (the activation module is the spec provider's, used only with
+    ``use_te_activation_func``)."""
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+
+    fc1, fc2 = kernels.grouped_linear_modules()
+    return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
+        linear_fc1=fc1, linear_fc2=fc2, activation_func=spec_provider.activation_func()))
 
 
 def _fused_interleaved_rope_allowed(post_init):
@@ -64,8 +96,9 @@ def _fused_interleaved_rope_allowed(post_init):
 
 def _register_moe_permutation(registry, versions: str, provider) -> None:
     """``moe_permute_fusion`` runs the provider's permutation. Without Transformer Engine, moe_utils leaves
-    its fused names unbound and ``HAVE_TE`` False, which guards nothing else there: with the names bound
-    (the router's TE kernels to None, so megatron refuses ``moe_router_fusion`` by name) it is true."""
+    its fused names unbound (0.16) or binds them to None (0.17+; a bind goes over None) and ``HAVE_TE``
+    False, which guards nothing else there: with the names bound (the router's TE kernels to None, so
+    megatron refuses ``moe_router_fusion`` by name) it is true."""
     for name in MOE_PERMUTE_NAMES:
         registry.bind(f"{_MOE_UTILS}:{name}", getattr(provider.moe_permute, name), versions=versions,
                       reason="moe_permute_fusion runs the kernel provider's token permutation")
@@ -79,11 +112,13 @@ def _register_moe_permutation(registry, versions: str, provider) -> None:
 def register(registry, versions: str) -> None:
     provider = kernels.current()
     registry.replace(f"{_BACKENDS}.layer_norm", _spec_layer_norm, versions=versions,
-                     reason="the local spec's norm is the kernel provider's (supports sequence parallel)")
+                     reason="the local spec's norm is the kernel provider's (supports sequence parallel; "
+                            "0.17+'s has_residual asks for no other norm here)")
     registry.replace(f"{_BACKENDS}.core_attention", _spec_core_attention, versions=versions,
                      reason="the local spec's core attention is the kernel provider's flash attention")
     registry.wrap(f"{_BACKENDS}.grouped_mlp_modules", _grouped_experts_from_provider, versions=versions,
-                  reason="moe_grouped_gemm in the local spec runs the provider's grouped GEMM (no grouped_gemm/TE)")
+                  reason="moe_grouped_gemm in the local spec runs the provider's grouped GEMM (no grouped_gemm/TE): "
+                         "0.16 gets (TEGroupedMLP, submodules), 0.17+ a TEGroupedMLP experts builder")
     _register_moe_permutation(registry, versions, provider)
     if provider.installed_norm() is None:
         for target in ("megatron.core.transformer.transformer_block:LayerNormImpl",

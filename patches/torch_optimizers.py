@@ -104,7 +104,7 @@ def fused_torch_adam(build):
     @functools.wraps(build)
     def build_optimizer(*args, **kwargs):
         optimizer = build(*args, **kwargs)
-        inner = getattr(optimizer, "optimizer", None)
+        inner = _built_torch_optimizer(optimizer)
         if os.environ.get(FUSED_ADAM_ENV) != "0" and isinstance(inner, torch.optim.Adam) and all(
                 p.device.type in _FUSED_ADAM_DEVICES and p.dtype in _FUSED_ADAM_DTYPES
                 for group in inner.param_groups for p in group["params"]):
@@ -121,8 +121,21 @@ _FUSED_ADAM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat1
 _FUSED_ADAM_DEVICES = ("cpu", "cuda")  # where torch has the fused kernel (not NPU)
 
 
+def _built_torch_optimizer(built):
+    """The torch optimizer ``_get_megatron_optimizer_based_on_param_groups`` built: inside the megatron
+    optimizer it returns, or (0.17 and later, with ``skip_megatron_wrapping=True``, the layer-wise
+    optimizer's call) first in the ``(torch optimizer, init_state_fn)`` pair it returns instead."""
+    if isinstance(built, tuple):
+        return built[0]
+    return getattr(built, "optimizer", None)
+
+
 def _torch_optimizers(optimizer):
-    """The torch optimizers inside a megatron optimizer (one, or one per chained optimizer)."""
+    """The torch optimizers inside a megatron optimizer (one, or one per chained optimizer), or the one of
+    a ``(torch optimizer, init_state_fn)`` pair."""
+    if isinstance(optimizer, tuple):
+        yield from (inner for inner in optimizer[:1] if isinstance(inner, torch.optim.Optimizer))
+        return
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(chained, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer):

@@ -41,9 +41,13 @@ def _npu_missing() -> str | None:
 
 
 def _megatron_lm_missing() -> str | None:
-    if importlib.util.find_spec("megatron.training") is None:
-        return ("needs Megatron-LM's megatron.training importable (put a Megatron-LM checkout, tag "
-                "core_v0.16.1, on PYTHONPATH)")
+    """Megatron-LM's own code (pretrain_gpt.py, its megatron.training) from a checkout: from 0.17 the
+    megatron-core wheel ships a megatron.training too, but not the scripts these tests run."""
+    from adapter.core_source import megatron_lm_checkout
+
+    if megatron_lm_checkout() is None:
+        return ("needs a Megatron-LM checkout on PYTHONPATH (its megatron.training and pretrain_gpt.py; the tag "
+                "matching the installed megatron-core, e.g. core_v0.16.1)")
     return None
 
 

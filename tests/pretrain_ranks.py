@@ -41,6 +41,15 @@ def run_pretrain(argv: list[str]) -> dict:
     return history
 
 
+def logged_losses(results: list[dict]) -> dict[int, float]:
+    """iteration -> lm loss of one run's ranks (``run_pretrain``'s results), from the last rank that logged
+    one: the last pipeline stage's, whose ranks all log the same."""
+    curves = [{entry["iteration"]: entry["lm loss"] for entry in r["train"] if "lm loss" in entry} for r in results]
+    curves = [c for c in curves if c]
+    assert curves, "no rank logged a loss"
+    return curves[-1]
+
+
 def run_pretrain_printing(argv: list[str]) -> dict:
     """As run_pretrain, with what this rank printed under "stdout" (the last rank prints the iteration lines)."""
     printed = io.StringIO()

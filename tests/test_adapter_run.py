@@ -18,6 +18,9 @@ from adapter.core_source import installed_megatron_core
 from tests.distributed import ROOT
 
 INSTALLED_CORE = importlib.metadata.version("megatron-core")
+# megatron-core 0.17+ wheels ship megatron/training; 0.16.1's does not (the wheel's own file list says which)
+WHEEL_SHIPS_TRAINING = "megatron/training/__init__.py" in {
+    f.as_posix() for f in importlib.metadata.files("megatron-core")}
 
 # Runs under adapter.run; a spawn child (as megatron's checkpoint workers are) reports what it started with.
 PROBE = '''
@@ -72,12 +75,22 @@ def test_a_missing_script_is_one_line_and_exit_status_2(tmp_path):
     assert (done.returncode, done.stderr) == (2, "adapter.run: error: no such script: pretrain_gpt.py\n")
 
 
+@pytest.mark.skipif(WHEEL_SHIPS_TRAINING, reason="this megatron-core wheel ships megatron.training")
 def test_without_megatron_training_it_says_where_to_get_it_and_exits_1(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('must not run')\n")
     done = _launch(str(script), pythonpath=[], cwd=tmp_path)
     assert (done.returncode, done.stderr) == (1, f"adapter.run: error: {run.NO_MEGATRON_TRAINING}\n")
     assert "core_v0.16.1" in run.NO_MEGATRON_TRAINING and "PYTHONPATH" in run.NO_MEGATRON_TRAINING
+
+
+@pytest.mark.skipif(not WHEEL_SHIPS_TRAINING, reason="this megatron-core wheel has no megatron.training")
+def test_without_a_checkout_the_wheels_megatron_training_runs(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import megatron.training\nprint(megatron.training.__file__)\n")
+    done = _launch(str(script), pythonpath=[], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == str(installed_megatron_core().parent / "training" / "__init__.py")
 
 
 def test_a_checkout_of_another_megatron_core_is_refused_naming_both_versions(tmp_path):

@@ -4,16 +4,20 @@ leaves them (models.checkpoint): quick, in process; tests/test_checkpoint_safety
 from __future__ import annotations
 
 import pytest
+from packaging.version import Version
 
 import models.checkpoint as mcore
 from models.checkpoint import TRACKER, CheckpointError
 
 
-def _checkpoint(path, content: str = "old"):
-    """A stand-in for a complete torch_dist checkpoint: the two files a finished save writes last."""
+def _checkpoint(path, content: str = "old", common: bool = True):
+    """A stand-in for a complete torch_dist checkpoint: the two files a finished save writes last, and the
+    common.pt of megatron-core before 0.19 (``common``; every release reads it)."""
     path.mkdir(parents=True)
     (path / "metadata.json").write_text(content)
     (path / ".metadata").write_text(content)
+    if common:
+        (path / mcore.COMMON_FILE).write_text(content)
     return path
 
 
@@ -100,3 +104,24 @@ def test_nothing_published_is_a_start_from_scratch(tmp_path):
     (tmp_path / ".iter_0000003.partial").mkdir()
     assert mcore.checkpoint_to_load(tmp_path) is None
     assert mcore.checkpoint_to_load(tmp_path / "not-there") is None
+
+
+@pytest.mark.parametrize("where", ["tracker", "directory", "iteration"])
+def test_a_checkpoint_without_common_pt_is_refused_where_megatron_cannot_read_it(tmp_path, where):
+    """A checkpoint saved by megatron-core 0.19 or later keeps its common state inside the torch_dist files,
+    without common.pt: 0.19 and later read it, 0.16-0.18 are refused in one line naming it (megatron's own
+    loader would stop with "Common file ... does not exist" once every rank had built its model)."""
+    checkpoint = _checkpoint(tmp_path / "iter_0000005", common=False)
+    (tmp_path / TRACKER).write_text("5")
+    find = {"tracker": lambda: mcore.checkpoint_to_load(tmp_path),
+            "directory": lambda: mcore.checkpoint_to_load(checkpoint),
+            "iteration": lambda: mcore.iteration_dir(tmp_path, 5)}[where]
+    if mcore.MEGATRON_CORE >= Version("0.19"):
+        assert find() == checkpoint
+        return
+    with pytest.raises(CheckpointError) as refused:
+        find()
+    assert str(refused.value) == (
+        f"{checkpoint} was saved by megatron-core 0.19 or later (its common state is inside the torch_dist files; "
+        f"there is no common.pt), which megatron-core {mcore.MEGATRON_CORE} cannot read: load it with "
+        "megatron-core 0.19 or later")

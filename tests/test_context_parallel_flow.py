@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_ranks
+from tests.pretrain_ranks import logged_losses as _losses
 from tests.pretrain_ranks import run_pretrain, run_pretrain_printing, stopped_at
 from tests.test_pretrain import NPU_DOUBLE
 
@@ -30,12 +31,6 @@ def _argv(*extra: str, tp: int = 1, cp: int = 1) -> list[str]:
             "--ddp-bucket-size", "4096", "--seed", "7", *extra]
 
 
-def _losses(results: list[dict]) -> dict[int, float]:
-    """iteration -> lm loss, from a rank that logged (every rank of the last stage logs the same)."""
-    curves = [{entry["iteration"]: entry["lm loss"] for entry in r["train"] if "lm loss" in entry} for r in results]
-    curves = [c for c in curves if c]
-    assert curves, "no rank logged a loss"
-    return curves[-1]
 
 
 def _validation(results: list[dict]) -> dict[int, float]:

@@ -126,9 +126,19 @@ def test_checkpoint_saved_at_tp2_pp2_converts_to_hf_and_back_to_tp1(tmp_path):
     hf_dir = mcore_to_hf(trained, tmp_path / "hf", model=model, progress=False)
     assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     hf_to_mcore(hf_dir, tmp_path / "back", progress=False)
+    _assert_laid_out_as_megatron_saves(mcore.iteration_dir(tmp_path / "back"), mcore.iteration_dir(trained))
     after = _same_on_every_rank(run_ranks(1, megatron_logits_from, model, str(tmp_path / "back"), 1, 1))
     assert (after - before).abs().max().item() < 1e-5
     assert (hf_logits_of(str(hf_dir), model.vocab_size) - before).abs().max().item() < 1e-5
+
+
+def _assert_laid_out_as_megatron_saves(converted, saved) -> None:
+    """The converter's checkpoint keeps its common state where the installed megatron-core's own save put
+    ``saved``'s (common.pt before 0.19, inside the torch_dist files from 0.19), with the same metadata.json,
+    and megatron's reader finds it there."""
+    assert (converted / "common.pt").is_file() == (saved / "common.pt").is_file()
+    assert json.loads((converted / "metadata.json").read_text()) == json.loads((saved / "metadata.json").read_text())
+    assert mcore.read_common(converted)["hf_architecture"] == "Qwen2ForCausalLM"
 
 
 @pytest.mark.slow

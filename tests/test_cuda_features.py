@@ -244,10 +244,10 @@ def _fully_parallel_load(directory: str, algorithm, reads: list):
         **({} if algorithm is None else {"exchange_algo": algorithm}))
     base_load = strategy.base_strategy.load
 
-    def noting_load(sharded_state_dict, checkpoint_dir):
+    def noting_load(sharded_state_dict, checkpoint_dir, *rest):  # rest: 0.19's async_strategy
         reads.extend((t.key, t.global_offset) for t in nested_values(sharded_state_dict)
                      if isinstance(t, ShardedTensor))
-        return base_load(sharded_state_dict, checkpoint_dir)
+        return base_load(sharded_state_dict, checkpoint_dir, *rest)
 
     strategy.base_strategy.load = noting_load
     return strategy

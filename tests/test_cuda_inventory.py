@@ -14,15 +14,18 @@ import sys
 import textwrap
 from pathlib import Path
 
+import importlib.metadata
+
 import megatron.core
 import pytest
 
 import adapter
 from adapter import cuda_inventory, cuda_only_features, cuda_sites_table
-from adapter.core_source import megatron_lm_checkout
+from adapter.core_source import megatron_training
 
 CORE = Path(megatron.core.__file__).parent
 ROOT = Path(__file__).resolve().parent.parent
+RELEASE = importlib.metadata.version("megatron-core")
 
 
 def _scan(package_dir: Path):
@@ -30,8 +33,9 @@ def _scan(package_dir: Path):
 
 
 def _training_dir() -> Path | None:
-    checkout = megatron_lm_checkout()
-    return checkout / "megatron" / "training" if checkout else None
+    """megatron.training's directory: the megatron-core wheel's (0.17+) or a Megatron-LM checkout's."""
+    training = megatron_training()
+    return training.directory if training else None
 
 
 @pytest.fixture(scope="module")
@@ -48,26 +52,37 @@ def test_every_cuda_site_of_megatron_core_has_a_verdict(core_sites):
 def test_every_cuda_site_of_megatron_training_has_a_verdict():
     training = _training_dir()
     if training is None:
-        pytest.skip("megatron.training needs a Megatron-LM checkout on PYTHONPATH (README: Megatron-LM's own "
-                    "pretrain_gpt.py)")
+        pytest.skip("megatron-core 0.16's megatron.training needs a Megatron-LM checkout on PYTHONPATH (README: "
+                    "Megatron-LM's own pretrain_gpt.py)")
     unaccounted = [str(site) for site in _scan(training) if not site.verdict]
     assert not unaccounted, "CUDA sites nothing accounts for:\n" + "\n".join(unaccounted)
 
 
+def _entries() -> list[str]:
+    """Every entry that gives a verdict: the tables' keys and each feature's code entries."""
+    return [*cuda_sites_table.AS_WRITTEN, *cuda_sites_table.PATCHED,
+            *(code for feature in cuda_only_features.FEATURES for code in feature.code)]
+
+
 def test_each_table_entry_and_feature_still_accounts_for_a_site(core_sites):
+    """Checked on the releases that have the entry's site (cuda_sites_table.RELEASES); megatron.training's
+    entries where megatron.training is scanned."""
     training = _training_dir()
     sites = core_sites + (_scan(training) if training else [])
     used = {site.key for site in sites}
-    entries = [*cuda_sites_table.AS_WRITTEN, *cuda_sites_table.PATCHED,
-               *(f.name for f in cuda_only_features.FEATURES if f.code)]
-    stale = [e for e in entries if e not in used and (training or "megatron.training" not in e)]
-    stale = [e for e in stale if training or not _only_in_training(e)]
-    assert not stale, f"entries that match no site any more (remove them): {stale}"
+    stale = [e for e in _entries() if e not in used and cuda_sites_table.on_release(e, RELEASE)
+             and (training or not e.startswith("megatron.training"))]
+    assert not stale, f"entries that match no site of megatron-core {RELEASE} (remove them, or say in " \
+                      f"cuda_sites_table.RELEASES which releases have them): {stale}"
 
 
-def _only_in_training(name: str) -> bool:
-    feature = next((f for f in cuda_only_features.FEATURES if f.name == name), None)
-    return feature is not None and all(c.startswith("megatron.training") for c in feature.code)
+def test_release_ranges_name_entries_and_tell_the_releases_apart():
+    entries = set(_entries())
+    assert set(cuda_sites_table.RELEASES) <= entries
+    moved = "megatron.core.transformer.mlp:apply_swiglu_sharded_factory.sh_ten_merge_fn torch.cuda.OutOfMemoryError"
+    assert [cuda_sites_table.on_release(moved, r) for r in ("0.16.1", "0.17.1", "0.18.2", "0.19.2")] == [
+        True, True, False, False]
+    assert cuda_sites_table.on_release("megatron.core.extensions.transformer_engine", "0.19.2")
 
 
 def test_patches_named_by_the_table_are_registered():
@@ -155,7 +170,9 @@ PROBE = textwrap.dedent('''
             ok.append(info.name)
         except BaseException as e:  # a module that cannot import here is reported, not fatal
             failed[info.name] = f"{type(e).__name__}: {str(e)[:200]}"
-    out = {"ok": ok, "failed": failed, "wrapped": []}
+    # what the walk imported, with the modules of namespace packages (no __init__.py) it cannot list
+    imported = sorted(n for n in sys.modules if n.startswith("megatron.core."))
+    out = {"ok": ok, "failed": failed, "imported": imported, "wrapped": []}
     if sys.argv[1] == "adapter":
         from adapter import cuda_scope
         out["wrapped"] = sorted(f"{name}:{(owner.__qualname__ + '.') if isinstance(owner, type) else ''}{attr}"
@@ -176,7 +193,8 @@ def test_routing_wraps_what_the_source_model_says_and_breaks_no_import():
     routed, plain = _probe("adapter"), _probe("plain")
     broken = {m: e for m, e in routed["failed"].items() if m in plain["ok"]}
     assert not broken, f"modules that import without the adapter but not with it: {broken}"
-    expected = {f for f in cuda_inventory.wrapped_functions(CORE, pins=True) if f.partition(":")[0] in routed["ok"]}
+    imported = set(routed["imported"])
+    expected = {f for f in cuda_inventory.wrapped_functions(CORE, pins=True) if f.partition(":")[0] in imported}
     refused = {f for f in expected if cuda_only_features.owner(*f.split(":"), "") is not None}
     assert set(routed["wrapped"]) - expected == set()
     assert expected - refused - set(routed["wrapped"]) == set()
@@ -197,7 +215,9 @@ def _tensor_method_by_dis(code) -> bool:
     for i, (opname, argval) in enumerate(ins):
         before, after = (ins[i - 1] if i else None), (ins[i + 1] if i + 1 < len(ins) else None)
         on_torch = before is not None and before[0].startswith("LOAD_") and before[1] == "torch"
-        if opname in loads and argval == "cuda" and not on_torch and (after is None or after[0] not in loads):
+        cuda_version = before is not None and before[0] in loads and before[1] == "version"  # torch.version.cuda
+        if opname in loads and argval == "cuda" and not on_torch and not cuda_version and (
+                after is None or after[0] not in loads):
             return True
         if opname in loads and argval == "to" and after and after[0] == "LOAD_CONST" and (
                 after[1] in ("cuda",) or str(after[1]).startswith("cuda:")):

@@ -18,7 +18,7 @@ TRANSFORMER = [("enable_cuda_graph", True), ("external_cuda_graph", True), ("cud
                ("use_inference_optimized_layers", True)]
 DDP = [("use_megatron_fsdp", True), ("use_custom_fsdp", True), ("nccl_ub", True)]
 ARGS_ONLY = [("use_torch_fsdp2", True), ("refit_method", "nvshmem"), ("record_memory_history", True),
-             ("profile", True)]
+             ("profile", True), ("optimizer_cuda_graph", True)]
 
 
 def _refused(call, setting, value):
@@ -72,3 +72,17 @@ def test_nvshmem_refit_is_refused_and_gloo_passes():
     assert service("gloo") == "service for gloo"
     with pytest.raises(CudaOnlyFeatureError, match=r"^refit backend 'nvshmem': NVSHMEM weight refit"):
         service("nvshmem")
+    with pytest.raises(CudaOnlyFeatureError, match=r"^refit backend 'nixl': NIXL weight refit"):  # 0.19's
+        service("nixl")
+
+
+def test_optimizer_cuda_graphs_are_refused_where_the_optimizer_config_has_them():
+    """``OptimizerConfig.optimizer_cuda_graph`` arrived in 0.17 (0.16.1's config has no such field)."""
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    if "optimizer_cuda_graph" not in {f.name for f in dataclasses.fields(OptimizerConfig)}:
+        pytest.skip("this megatron-core's OptimizerConfig has no optimizer_cuda_graph")
+    _refused(lambda: OptimizerConfig(optimizer_cuda_graph=True), "optimizer_cuda_graph", True)
+    OptimizerConfig()

@@ -116,6 +116,20 @@ def test_fused_adam_unless_turned_off(monkeypatch, fused_env, fused):
     assert bool(_built_adam(monkeypatch, fused_env).param_groups[0]["fused"]) is fused
 
 
+def test_the_optimizer_wrappers_reach_the_torch_optimizer_of_a_skip_wrapping_pair(monkeypatch):
+    """megatron 0.17+ returns ``(torch optimizer, init_state_fn)`` with ``skip_megatron_wrapping=True``
+    (its layer-wise optimizer): fused Adam and the lr=None stand-in reach that optimizer too."""
+    monkeypatch.delenv(torch_optimizers.FUSED_ADAM_ENV, raising=False)
+    params = [torch.nn.Parameter(torch.randn(3))]
+    pair = torch_optimizers.fused_torch_adam(lambda: (torch.optim.Adam(params), print))()
+    assert pair[1] is print and pair[0].param_groups[0]["fused"] is True
+    monkeypatch.setattr(torch_optimizers, "_uses_torch_optimizer", lambda: True)
+    config = types.SimpleNamespace(lr=None)
+    later = torch_optimizers.learning_rate_set_later(lambda config: (torch.optim.Adam(params, lr=config.lr), None))
+    optimizer, _ = later(config)
+    assert config.lr is None and optimizer.param_groups[0]["lr"] is None
+
+
 def test_fused_adam_patch_covers_cuda():
     seen = {}
     registry = types.SimpleNamespace(wrap=lambda target, fn, **kw: seen.setdefault(fn.__name__, kw.get("backends", ())),

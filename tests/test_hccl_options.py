@@ -7,8 +7,10 @@ then dropped before the group is created, since gloo cannot take them.
 from __future__ import annotations
 
 import pytest
+from packaging.version import Version
 
 from adapter.parallel import ParallelConfigError, hccl_group_options
+from adapter.registry import installed_megatron_core_version
 from tests.distributed import run_ranks
 
 DEFAULT_MB = 200
@@ -127,6 +129,10 @@ MEGATRON_GROUP_NAMES = {
     "EXPERT_DATA_PARALLEL_GROUP": "ep_dp",
     "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": "intra_dist_opt_instance",
 }
+if Version(installed_megatron_core_version()) >= Version("0.19"):  # weight rematerialisation's groups
+    MEGATRON_GROUP_NAMES.update({"GTP_WEIGHT_REMAT_GROUP": "gtp_remat",
+                                 "EXPERT_GTP_WEIGHT_REMAT_GROUP": "expt_gtp_remat",
+                                 "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP": "tp_ep_gtp_remat_pp"})
 
 
 def groups_with_hccl_options(config: dict, tp: int, pp: int) -> dict:

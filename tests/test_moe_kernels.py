@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import adapter  # noqa: F401 - before megatron
+from tests import spec_entries
 from tests.kernel_reference import TOLERANCE, one_rank_model_parallel
 
 SPLITS = [3, 0, 5, 2]  # the second expert receives no token
@@ -97,11 +98,11 @@ def _both_expert_layers(config):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.spec_utils import build_module
 
     groups, experts = ProcessGroupCollection.use_mpu_process_groups(), config.num_moe_experts
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=True)
-    grouped = build_module(spec.submodules.mlp.submodules.experts, experts, config, pg_collection=groups)
+    experts_entry = spec_entries.submodules_of(spec.submodules.mlp).experts
+    grouped = spec_entries.build(experts_entry, experts, config, pg_collection=groups)
     sequential = SequentialMLP(experts, config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                               linear_fc2=RowParallelLinear), groups)
     with torch.no_grad():
@@ -286,6 +287,15 @@ def _routing(tokens=6, experts=4, topk=2, seed=4):
     return hidden, probs * routing_map, routing_map
 
 
+def _megatron_permute(tokens, routing_map, probs=None):
+    """megatron's unfused ``permute``: (rows, row probs, row indices). 0.17+ asks for the row count (fixed
+    shapes) and appends the pad offsets and per-expert counts, which an unpadded permutation leaves
+    None / as given."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    return permute(tokens, routing_map, probs=probs, num_out_tokens=int(routing_map.sum()))[:3]
+
+
 def _dispatch_and_combine(permute_with_probs, unpermute, hidden, probs, routing_map, dtype):
     """What the alltoall dispatcher does around the experts: permute tokens and probs, weight each row by
     its prob (the experts do), unpermute. Returns the outputs and the gradients of tokens and probs."""
@@ -300,7 +310,7 @@ def _dispatch_and_combine(permute_with_probs, unpermute, hidden, probs, routing_
 def test_fused_permutation_equals_megatrons_unfused_permutation(provider, dtype):
     """Rows, their order, probs, the combined output and every gradient as megatron's own unfused
     ``permute`` / ``unpermute`` give them."""
-    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+    from megatron.core.transformer.moe.moe_utils import unpermute
 
     hidden, probs, routing_map = _routing()
     count = int(routing_map.sum())
@@ -308,7 +318,7 @@ def test_fused_permutation_equals_megatrons_unfused_permutation(provider, dtype)
         lambda x, p, m: provider.moe_permute.fused_permute_with_probs(x, p, m, count),
         lambda rows, rows_map, shape: provider.moe_permute.fused_unpermute(rows, rows_map, restore_shape=shape),
         hidden, probs, routing_map, dtype)
-    unfused = _dispatch_and_combine(lambda x, p, m: permute(x, m, probs=p, num_out_tokens=count), unpermute,
+    unfused = _dispatch_and_combine(lambda x, p, m: _megatron_permute(x, m, probs=p), unpermute,
                                     hidden, probs, routing_map, dtype)
     for got, want in zip(fused, unfused):
         torch.testing.assert_close(got, want, **TOLERANCE[dtype])
@@ -334,13 +344,13 @@ def test_the_npu_permutation_is_torch_npus_index_form(npu_kernels, torch_npu_dou
 def test_unpermute_merges_probs_as_megatron_does():
     """``merging_probs`` (TE's interface; megatron's dispatchers weight rows in the experts instead) on the
     torch permutation: megatron's ``unpermute(probs=, routing_map=)``."""
-    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+    from megatron.core.transformer.moe.moe_utils import unpermute
 
     from adapter.kernels import moe_permute
 
     hidden, probs, routing_map = _routing()
     rows, row_map = moe_permute.fused_permute(hidden, routing_map)
-    _, _, indices = permute(hidden, routing_map)
+    _, _, indices = _megatron_permute(hidden, routing_map)
     torch.testing.assert_close(
         moe_permute.fused_unpermute(rows, row_map, merging_probs=probs, restore_shape=hidden.shape),
         unpermute(rows, indices, hidden.shape, probs=probs, routing_map=routing_map), **TOLERANCE[torch.float32])
@@ -356,11 +366,11 @@ def test_the_npu_permutation_refuses_merging_probs_by_name(npu_kernels):
 
 
 def test_fused_permutation_without_probs_and_chunk_sorting_equal_megatrons(provider):
-    from megatron.core.transformer.moe.moe_utils import permute, sort_chunks_by_idxs, unpermute
+    from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs, unpermute
 
     hidden, _, routing_map = _routing()
     rows, indices = provider.moe_permute.fused_permute(hidden, routing_map, int(routing_map.sum()))
-    want_rows, _, want_indices = permute(hidden, routing_map, num_out_tokens=int(routing_map.sum()))
+    want_rows, _, want_indices = _megatron_permute(hidden, routing_map)
     torch.testing.assert_close(rows, want_rows, rtol=0, atol=0)
     torch.testing.assert_close(provider.moe_permute.fused_unpermute(rows, indices, restore_shape=hidden.shape),
                                unpermute(want_rows, want_indices, hidden.shape), **TOLERANCE[torch.float32])
@@ -370,15 +380,27 @@ def test_fused_permutation_without_probs_and_chunk_sorting_equal_megatrons(provi
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_without_grouped_gemm_the_spec_keeps_megatrons_choice():
-    """Only ``moe_grouped_gemm`` is answered by the provider: without it megatron's SequentialMLP stays,
-    with the legacy flag megatron's own GroupedMLP (which needs the grouped_gemm package)."""
+def _spec_experts(**flags):
+    """The experts class the local MoE spec builds with ``flags``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 
-    def experts(**flags):
-        return get_gpt_layer_local_spec(num_experts=4, **flags).submodules.mlp.submodules.experts.module
+    mlp = get_gpt_layer_local_spec(num_experts=4, **flags).submodules.mlp
+    return spec_entries.module_of(spec_entries.submodules_of(mlp).experts)
 
-    assert experts(moe_grouped_gemm=False) is SequentialMLP
+
+def test_without_grouped_gemm_the_spec_keeps_megatrons_choice():
+    """Only ``moe_grouped_gemm`` is answered by the provider: without it megatron's SequentialMLP stays."""
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+
+    assert _spec_experts(moe_grouped_gemm=False) is SequentialMLP
+    assert _spec_experts(moe_grouped_gemm=True) is TEGroupedMLP
+
+
+@pytest.mark.skipif(spec_entries.SINCE_0_17, reason="megatron-core 0.17 removed the legacy GroupedMLP and "
+                                                       "its moe_use_legacy_grouped_gemm flag")
+def test_with_the_legacy_flag_the_spec_keeps_megatrons_grouped_mlp():
+    """megatron 0.16's legacy flag keeps megatron's own GroupedMLP (which needs the grouped_gemm package)."""
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
     with pytest.warns(UserWarning, match="legacy GroupedMLP"):
-        assert experts(moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True) is GroupedMLP
+        assert _spec_experts(moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True) is GroupedMLP

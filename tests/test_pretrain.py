@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import DOUBLES
 from tests.distributed import ROOT, run_ranks
+from tests.pretrain_ranks import logged_losses as _losses
 from tests.pretrain_ranks import run_pretrain, run_pretrain_printing, stopped_at
 
 pytestmark = pytest.mark.multiproc
@@ -28,12 +29,6 @@ def _argv(iters: int, tp: int = 1, pp: int = 1, *extra: str, model: str = "qwen2
             "--use-distributed-optimizer", "--ddp-bucket-size", "4096", "--seed", "7", *extra]
 
 
-def _losses(results: list[dict]) -> dict[int, float]:
-    """iteration -> lm loss, from the rank that logged (the last stage's)."""
-    curves = [{entry["iteration"]: entry["lm loss"] for entry in r["train"] if "lm loss" in entry} for r in results]
-    curves = [c for c in curves if c]
-    assert curves, "no rank logged a loss"
-    return curves[-1]
 
 
 def pretrain_and_list_imports(argv: list[str]) -> dict:

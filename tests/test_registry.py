@@ -597,6 +597,20 @@ def test_a_name_megatron_leaves_unbound_is_bound_and_reverted(pkg, make_registry
     assert not hasattr(target_mod, "te_gemm")
 
 
+def test_a_name_megatron_binds_to_none_counts_as_unbound(pkg, make_registry):
+    """megatron-core 0.17+ binds an optional library's missing names to None (moe_utils' fused_permute):
+    the bind goes over None, and revert puts None back, not a missing name."""
+    target_mod = imp(pkg, "target")
+    stand_in = object()
+    reg = make_registry()
+    reg.bind(f"{pkg}.target:HOOK", stand_in, reason="r", versions=CHECKED)
+    reg.apply()
+    assert reg.status(f"{pkg}.target:HOOK") == "applied"
+    assert target_mod.HOOK is stand_in
+    reg.revert()
+    assert "HOOK" in vars(target_mod) and target_mod.HOOK is None
+
+
 def test_a_name_megatron_bound_is_left_alone(pkg, make_registry):
     target_mod = imp(pkg, "target")
     original = target_mod.f

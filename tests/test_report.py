@@ -5,6 +5,7 @@ crash."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -23,6 +24,10 @@ from tests.distributed import ROOT
 
 VERSION_KEYS = {"python", "torch", "torch_cuda", "torch_npu", "cann", "megatron_core", "megatron_lm", "apex",
                 "transformer_engine", "flash_attn"}
+INSTALLED_CORE = importlib.metadata.version("megatron-core")
+# megatron-core 0.17+ wheels ship megatron/training; 0.16.1's does not (the wheel's own file list says which)
+WHEEL_SHIPS_TRAINING = "megatron/training/__init__.py" in {
+    f.as_posix() for f in importlib.metadata.files("megatron-core")}
 OPS = {"rms_norm", "layer_norm", "swiglu", "rope", "rope_thd", "softmax", "cross_entropy", "core_attention",
        "norm_module", "grouped_gemm", "moe_permute"}
 
@@ -45,7 +50,7 @@ def test_json_report_names_the_cpu_backend_and_every_registered_patch():
     assert (data["backend"], data["dist_backend"], data["device_count"]) == ("cpu", "gloo", 1)
     assert data["backend_why"] == "ADAPTER_BACKEND=cpu"
     assert set(data["versions"]) == VERSION_KEYS
-    assert data["versions"]["megatron_core"] == "0.16.1"
+    assert data["versions"]["megatron_core"] == INSTALLED_CORE
     assert data["kernel_provider"] == {"name": "torch", "why": "default for the cpu backend, ADAPTER_KERNELS unset"}
     assert set(data["kernels"]) == OPS
     assert [row["target"] for row in data["patches"]] == [p.target for p in adapter.registry.patches()]
@@ -60,7 +65,7 @@ def test_text_report_has_each_section_and_exits_zero():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "backend       cpu (ADAPTER_BACKEND=cpu); torch.distributed: gloo" in out
-    for line in ("\nversions\n", "\n  megatron_core       0.16.1\n", "kernels: provider torch",
+    for line in ("\nversions\n", f"\n  megatron_core       {INSTALLED_CORE}\n", "kernels: provider torch",
                  f"patches: {len(adapter.registry.patches())} registered", "no problems found"):
         assert line in out
     for patch in adapter.registry.patches():
@@ -68,24 +73,36 @@ def test_text_report_has_each_section_and_exits_zero():
 
 
 def test_without_megatron_lm_its_patches_are_skipped_with_why_and_nothing_is_a_problem():
+    """A pip install: megatron.legacy's patches wait for a checkout; megatron.training's too on 0.16, while
+    0.17+ wheels ship megatron.training, so its patches apply, and the report says it is the wheel's."""
     done = _run_cli("--json", pythonpath=str(ROOT))  # a pip install: no Megatron-LM checkout
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads(done.stdout)
     rows = {row["target"]: row for row in data["patches"]
             if row["target"].startswith(("megatron.training.", "megatron.legacy."))}
     assert "megatron.training.arguments:validate_args" in rows and "megatron.legacy.fused_kernels:load" in rows
-    assert {row["status"] for row in rows.values()} == {"skipped"}
-    assert {row["why"] for row in rows.values()} == {
-        "megatron.training not importable (no Megatron-LM checkout on PYTHONPATH)",
-        "megatron.legacy not importable (no Megatron-LM checkout on PYTHONPATH)"}
+    legacy = {t: row for t, row in rows.items() if t.startswith("megatron.legacy.")}
+    training = {t: row for t, row in rows.items() if t.startswith("megatron.training.")}
+    assert {(row["status"], row["why"]) for row in legacy.values()} == {
+        ("skipped", "megatron.legacy not importable (no Megatron-LM checkout on PYTHONPATH)")}
+    if WHEEL_SHIPS_TRAINING:
+        assert {row["status"] for row in training.values()} == {"applied"}
+        wheel_training = importlib.metadata.distribution("megatron-core").locate_file("megatron/training")
+        assert data["versions"]["megatron_lm"] == f"megatron.training from the megatron-core wheel ({wheel_training})"
+    else:
+        assert {(row["status"], row["why"]) for row in training.values()} == {
+            ("skipped", "megatron.training not importable (no Megatron-LM checkout on PYTHONPATH)")}
+        assert data["versions"]["megatron_lm"] == "megatron.training not found"
     assert data["problems"] == []
     [stand_in] = data["stand_ins"]
     assert (stand_in["module"], stand_in["requires"]) == (megatron_lm.BATCH_INVARIANT_KERNELS, "triton")
-    if importlib.util.find_spec("triton") is None:  # not imported by the report: megatron.training is absent
+    if importlib.util.find_spec("triton") is not None:
+        assert stand_in["status"] == "skipped" and stand_in["why"].startswith("triton is importable")
+    elif not WHEEL_SHIPS_TRAINING:  # not imported by the report: megatron.training, which imports it, is absent
         assert (stand_in["status"], stand_in["why"]) == (
             "pending", "triton is not importable: importing the module gives the stand-in")
-    else:
-        assert stand_in["status"] == "skipped" and stand_in["why"].startswith("triton is importable")
+    else:  # the report imported the wheel's megatron.training, which imports it
+        assert stand_in["status"] != "pending"
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.cuda),

@@ -5,6 +5,7 @@ torch itself gives on this machine's device (cpu), and its unrouted twin shows t
 as written here, so the routing, not the code, makes it work."""
 
 import importlib
+import importlib.util
 import sys
 import textwrap
 
@@ -262,3 +263,52 @@ def test_a_megatron_module_added_by_a_later_release_is_routed_too(tmp_path, monk
     finally:
         sys.modules.pop(name, None)
         cuda_scope._ROUTED.pop(name, None)
+
+
+EVENT_CODE = textwrap.dedent('''
+    import torch
+    from torch.cuda import Event
+
+
+    class Holder:  # megatron_fsdp/experimental/module.py (0.19) annotates its class body so
+        event: torch.cuda.Event | None
+        stream: torch.cuda.Stream | None
+
+
+    def timed():
+        start, end = torch.cuda.Event(enable_timing=True), Event(enable_timing=True)
+        start.record()
+        end.record()
+        stream = torch.cuda.Stream()
+        return start, end, stream, isinstance(start, torch.cuda.Event), isinstance(stream, torch.cuda.Stream)
+''')
+
+
+@pytest.mark.parametrize("order", ["route-then-import", "import-then-route"])
+def test_cuda_event_and_stream_stay_classes_for_annotations_and_isinstance(user_packages, tmp_path, order):
+    """Routed ``torch.cuda.Event`` / ``Stream`` are types, as torch.cuda's are: ``X | None`` evaluates in a
+    class body (the reference: the same annotation on torch's own class), and what they make is this
+    backend's event and stream, instances of them."""
+    (tmp_path / "userpkg" / "events.py").write_text(EVENT_CODE)
+    events = _route_and_import("events", order)
+    at_import = events.torch.cuda if order == "route-then-import" else torch.cuda  # import-time values stay
+    assert events.Holder.__annotations__["event"] == (at_import.Event | None)
+    assert (torch.cuda.Event | None).__args__[1] is type(None)  # what the unrouted annotation gives
+    start, end, stream, is_event, is_stream = events.timed()
+    assert is_event and is_stream and not isinstance(object(), events.torch.cuda.Event)
+    assert start.elapsed_time(end) >= 0.0
+    assert stream == adapter.device.current_stream()
+    assert adapter.device.Stream.priority_range() == (0, 0)  # the CPU's one stream has one priority
+
+
+def test_megatron_modules_annotating_with_cuda_events_import_under_routing():
+    """0.19's megatron_fsdp evaluates ``torch.cuda.Event | None`` in a class body at import (0.16 has no
+    such module: nothing to import there)."""
+    import megatron.core
+
+    experimental = "megatron.core.distributed.fsdp.src.megatron_fsdp.experimental.module"
+    if importlib.util.find_spec(experimental.rpartition(".")[0]) is None:
+        pytest.skip(f"megatron-core {megatron.core.__version__} has no {experimental}")
+    module = importlib.import_module(experimental)
+    assert cuda_scope.is_routed(experimental)
+    assert module.FsdpModule.__annotations__["_unshard_event"] == (adapter.device.Event | None)

@@ -13,7 +13,7 @@ The local experts' weights are ONE parameter ``weight`` [experts, out, in] (and 
 the layout a grouped GEMM reads without copying, and one parameter instead of one per expert for
 megatron's per-parameter DDP hooks, optimizer and gradient-clipping loops. Checkpoints still hold one
 tensor per global expert under the keys and shapes SequentialMLP and Transformer Engine use (a
-``ShardedTensorFactory`` splits the parameter on save and stacks it on load, as megatron's legacy
+``ShardedTensorFactory`` splits the parameter on save and stacks it on load, as megatron 0.16's legacy
 GroupedMLP does for its fused weights), so they stay interchangeable with both.
 
 Rows of ``x`` come grouped by local expert, ``tokens_per_expert[i]`` rows for expert i (what the token
@@ -49,7 +49,10 @@ class GroupedLinear(torch.nn.Module):
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config, init_method,
                  bias: bool, skip_bias_add: bool, is_expert: bool = True, tp_comm_buffer_name=None,
-                 pg_collection: ProcessGroupCollection | None = None):
+                 pg_collection: ProcessGroupCollection | None = None, name: str | None = None):
+        """The arguments megatron's TEGroupedMLP passes its fc1 / fc2 builders. ``tp_comm_buffer_name``
+        (TE's userbuffer overlap) and 0.18+'s ``name`` (the module's path, for TE's debug tooling) are
+        accepted and unused, as megatron's own ColumnParallelLinear does with them."""
         super().__init__()
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()

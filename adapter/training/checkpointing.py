@@ -12,6 +12,12 @@ for a MoE model, another EP / expert TP: each expert is saved under its global i
 own. RNG states are per TP/PP rank (per DP rank too with EP > 1, where the expert-parallel random stream
 differs between data-parallel ranks) and are restored only on the layout that saved them (as Megatron-LM
 does).
+
+Across megatron-core releases: a checkpoint saved under 0.16.1 (its common state in common.pt) resumes under
+0.19, at its layout or another (tests/test_checkpoint_upgrade.py): 0.19 reads common.pt as its legacy form, and
+the optimizer state is saved per parameter, so the 0.18 rework of the gradient buffers does not reach it. One
+saved under 0.19 keeps its common state inside the torch_dist files, which 0.16-0.18 cannot read: --load
+refuses it before any rank starts (``models.checkpoint.readable_here``).
 """
 
 from __future__ import annotations
@@ -169,7 +175,10 @@ def _saved_group(groups: list[dict], needed: dict) -> dict:
     """The saved param group with ``needed``'s identifiers; else one differing in is_expert_parallel only,
     marked as ``needed`` is."""
     def identity(group: dict, with_expert: bool = True) -> tuple:
-        return tuple(group[k] for k in param_group_identifier_keys if with_expert or k != "is_expert_parallel")
+        # as megatron pairs groups: a key under NeMo's pre_ alias counts, and a missing one is None (0.19
+        # identifies groups by more keys, end_wd & co., which groups saved before may lack)
+        return tuple(group.get(k, group.get(f"pre_{k}")) for k in param_group_identifier_keys
+                     if with_expert or k != "is_expert_parallel")
 
     for with_expert in (True, False):
         for group in groups:
@@ -188,7 +197,7 @@ def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]
         if torch.distributed.get_rank() == 0:
             print(f"no checkpoint in {args.load}: training from scratch", flush=True)
         return 0, consumed
-    common = dist_checkpointing.load_common_state_dict(str(checkpoint))
+    common = mcore_checkpoint.read_common(checkpoint)
     release = checkpoint.name == mcore_checkpoint.RELEASE
     weights_only = release or args.finetune
     same_layout = _same_rng_layout(common.get("layout", {}), args)

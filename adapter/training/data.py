@@ -11,6 +11,7 @@ and load batches; ``get_batch`` broadcasts each batch to the rest of the tensor-
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 
@@ -20,6 +21,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.utils import get_batch_on_this_cp_rank, log_single_rank
+from packaging.version import Version
 
 from adapter import device
 from adapter.training.global_vars import get_args, get_tokenizer
@@ -27,6 +29,8 @@ from adapter.training.global_vars import get_args, get_tokenizer
 logger = logging.getLogger(__name__)
 
 _INT_KEYS = ["tokens", "labels", "position_ids"]
+# megatron-core 0.18 gave get_batch_on_this_cp_rank a required ``is_hybrid_cp`` (this_cp_rank_part)
+_HYBRID_CP_ARGUMENT = Version(importlib.metadata.version("megatron-core")) >= Version("0.18")
 
 
 # ---------------------------------------------------------------- datasets
@@ -187,8 +191,21 @@ def get_batch(data_iterator, vp_stage=None):
     if not (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
             or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)):
         return None, None, None, None, None
-    batch = get_batch_on_this_cp_rank(_broadcast_batch(data_iterator, _creates_attention_mask(get_args())))
+    batch = this_cp_rank_part(_broadcast_batch(data_iterator, _creates_attention_mask(get_args())))
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
+
+
+def this_cp_rank_part(batch: dict) -> dict:
+    """This context-parallel rank's part of ``batch`` as megatron splits it: sequence chunks r and 2CP-1-r of 2CP.
+
+    The CP group is passed on every release. Up to 0.17, ``get_batch_on_this_cp_rank(batch)`` finds parallel_state's
+    CP group itself. From 0.18 it takes a required ``is_hybrid_cp``; False keeps the static CP group of the flow.
+    Its whole-sequence split then sizes the split by ``cp_group``, and with None that is the world group, not
+    the CP group: at TP2 x CP2 it would cut each sequence in eight."""
+    group = parallel_state.get_context_parallel_group()
+    if _HYBRID_CP_ARGUMENT:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
+    return get_batch_on_this_cp_rank(batch, cp_group=group)
 
 
 def _broadcast_batch(data_iterator, with_attention_mask: bool) -> dict:
