@@ -16,7 +16,6 @@ resume), 0.16-0.18 cannot read the new form: such a checkpoint is refused up fro
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import io
 import os
 import shutil
@@ -35,11 +34,13 @@ from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWrit
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from packaging.version import Version
 
+from adapter.registry import installed_megatron_core_version
+
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
 COMMON_FILE = "common.pt"  # the common state up to megatron-core 0.18
-MEGATRON_CORE = Version(importlib.metadata.version("megatron-core"))
+MEGATRON_CORE = Version(installed_megatron_core_version())
 # From 0.19 the common state is this ShardedObject inside the torch_dist files (its unique key "common_state/shard_0_1")
 COMMON_STATE_IN_SHARDS = MEGATRON_CORE >= Version("0.19")
 

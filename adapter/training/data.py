@@ -11,7 +11,6 @@ and load batches; ``get_batch`` broadcasts each batch to the rest of the tensor-
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import logging
 import os
 
@@ -24,13 +23,14 @@ from megatron.core.utils import get_batch_on_this_cp_rank, log_single_rank
 from packaging.version import Version
 
 from adapter import device
+from adapter.registry import installed_megatron_core_version
 from adapter.training.global_vars import get_args, get_tokenizer
 
 logger = logging.getLogger(__name__)
 
 _INT_KEYS = ["tokens", "labels", "position_ids"]
 # megatron-core 0.18 gave get_batch_on_this_cp_rank a required ``is_hybrid_cp`` (this_cp_rank_part)
-_HYBRID_CP_ARGUMENT = Version(importlib.metadata.version("megatron-core")) >= Version("0.18")
+_HYBRID_CP_ARGUMENT = Version(installed_megatron_core_version()) >= Version("0.18")
 
 
 # ---------------------------------------------------------------- datasets
