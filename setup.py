@@ -31,7 +31,9 @@ setup(
     ],
     extras_require={
         # pyyaml: megatron reads per-group communicator YAML; transformers: tiny HF models to compare with
-        "test": ["pytest>=7", "pyyaml", "transformers>=4.56", "safetensors", "tensorboard", "matplotlib"],
+        # import-linter: the layer contracts of .importlinter (tests/test_layers.py, CI's lint job)
+        "test": ["pytest>=7", "pyyaml", "transformers>=4.56", "safetensors", "tensorboard", "matplotlib",
+                 "import-linter>=2.1"],
         # `python -m models.verify` runs the Hugging Face side of a converted checkpoint
         "hf": ["transformers>=4.56"],
         # --tensorboard-dir, and scripts/plot_loss.py drawing the curves
@@ -46,7 +48,9 @@ setup(
         # Megatron-LM's training code and its unit tests (scripts/run_megatron_tests.py): six for its
         # tokenizers; requests and click for the data-download helper its conftest imports; pytest-mock
         # and mock for tests that import them; einops for HyperCommGrid and parallel_state; nvtx for
-        # megatron's NVTX ranges (no-ops without a profiler); nltk for its tokenizer tests
-        "megatron-lm": ["six", "requests", "click", "pytest-mock", "mock", "einops", "nvtx", "nltk"],
+        # megatron's NVTX ranges (no-ops without a profiler); nltk for its tokenizer tests;
+        # emerging_optimizers (plain PyTorch: Muon, the layer-wise optimizer) needs Python >= 3.12
+        "megatron-lm": ["six", "requests", "click", "pytest-mock", "mock", "einops", "nvtx", "nltk",
+                        "emerging_optimizers; python_version >= '3.12'"],
     },
 )

@@ -49,7 +49,7 @@ def installed_megatron_core() -> Path | None:
 def prefer_installed_megatron_core() -> None:
     """From now on ``import megatron.core`` finds the installed distribution's, if there is one (call it
     before anything imports megatron.core). It goes after the finder that routes megatron's CUDA spellings
-    (``adapter.cuda_scope``), which asks the finders behind it for the spec it routes."""
+    (``adapter.cuda_routing``), which asks the finders behind it for the spec it routes."""
     core = installed_megatron_core()
     if core is not None and not any(isinstance(f, _InstalledMegatronCore) for f in sys.meta_path):
         routing = [i for i, f in enumerate(sys.meta_path) if getattr(f, "routes_cuda", False)]

@@ -1,10 +1,11 @@
-"""megatron features that need CUDA itself, as data: what configures each, where its CUDA code lives, why
-no other device can run it.
+"""CUDA-only features, the mechanism: megatron features that need CUDA itself, as data (what configures
+each, where its CUDA code lives, why no other device can run it), and the check that refuses them.
 
-Off CUDA each is refused where it is configured (``patches/cuda_only.py``: the config dataclasses'
-``__post_init__``, Megatron-LM's ``validate_args``, the constructors of the classes that are the feature),
-with one line naming the setting, instead of a "Torch not compiled with CUDA enabled" from deep inside
-megatron. ``adapter.cuda_inventory`` gives the CUDA sites under ``code`` the verdict ``refused``.
+Off CUDA each is refused where it is configured (the registry entries, ``patches/cuda_only_features.py``:
+the config dataclasses' ``__post_init__``, Megatron-LM's ``validate_args``, the constructors of the
+classes that are the feature), with one line naming the setting, instead of a "Torch not compiled with
+CUDA enabled" from deep inside megatron. The audit ``tests/cuda_inventory.py`` gives the CUDA sites under
+``code`` the verdict ``refused``.
 """
 
 from __future__ import annotations

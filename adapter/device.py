@@ -2,7 +2,7 @@
 
 The adapter's own code calls these, and megatron modules reach them too: every megatron module (and every
 module of a package given to ``adapter.route_cuda``) imports, as ``torch``, a view of torch whose ``cuda``
-attribute is this module (``adapter.cuda_scope``, ``adapter.torch_view``). So
+attribute is this module (``adapter.cuda_routing``, ``adapter.torch_view``). So
 ``torch.cuda.current_device()`` written in megatron lands here, and from here on torch.cuda, torch.npu or
 the CPU, while ``torch.cuda`` itself stays untouched for every other library in the process.
 
@@ -152,6 +152,13 @@ def empty_cache() -> None:
         accel.empty_cache()
 
 
+# torch.cuda.memory.<name> spellings (Megatron-LM 0.19's test utilities empty the cache that way)
+memory = types.SimpleNamespace(
+    empty_cache=empty_cache, memory_allocated=memory_allocated, memory_reserved=memory_reserved,
+    max_memory_allocated=max_memory_allocated, max_memory_reserved=max_memory_reserved,
+    memory_stats=memory_stats, reset_peak_memory_stats=reset_peak_memory_stats)
+
+
 # ---------------------------------------------------------------- streams, events, ranges
 class _CpuEvent(torch.cpu.Event):
     """torch.cpu.Event with the timing that megatron's timers expect of a device event."""
@@ -182,6 +189,11 @@ class _CpuStream(torch.cpu.Stream):
         event = event if event is not None else _CpuEvent()
         event.record(self)
         return event
+
+    @property
+    def device(self) -> torch.device:
+        """Where the stream's work runs, as torch.cuda.Stream says (Megatron-FSDP reads it)."""
+        return torch.device("cpu")
 
 
 _CPU_STREAM = _CpuStream()

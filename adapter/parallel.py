@@ -1,9 +1,13 @@
-"""Distributed start-up on the adapter's backend: process group, parallel sizes, HCCL group options."""
+"""Parallel start-up and process groups, the mechanism: distributed start-up on the adapter's backend (process
+group, parallel sizes, HCCL group options). The registry entries that install it into megatron are
+``patches/parallel.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
+import inspect
 import math
 import os
 
@@ -28,75 +32,125 @@ def _positive(name: str, value) -> int:
     return value
 
 
-def check_sizes(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                etp: int | None = None, vpp: int | None = None,
-                num_attention_heads: int | None = None, num_query_groups: int | None = None,
-                num_layers: int | None = None) -> int:
-    """Refuse a layout that cannot work, with the fix in the message; return the data-parallel size.
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What of a model a parallel layout must divide, as plain numbers (the core knows no model config):
+    ``ModelConfig.shape()`` gives it; any field left None is not checked."""
 
-    Model sizes are optional: initialize_model_parallel knows only the parallel sizes, a training flow
-    also knows the model and should pass it."""
-    for name, value in (("world_size", world_size), ("tensor_model_parallel_size", tp),
-                        ("pipeline_model_parallel_size", pp), ("context_parallel_size", cp),
-                        ("expert_model_parallel_size", ep)):
+    num_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None
+    vocab_size: int | None = None
+    dense_ffn_hidden_size: int | None = None  # the dense MLPs' (None where every layer is MoE)
+    num_experts: int | None = None
+    expert_ffn_hidden_size: int | None = None
+    shared_expert_ffn_hidden_size: int | None = None
+    expert_bias: bool = False
+    seq_length: int | None = None
+
+
+def check_sizes(world_size: int | None, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                etp: int | None = None, vpp: int | None = None, gtp: int = 1, egtp: int = 1,
+                model: ModelShape | None = None) -> int | None:
+    """The parallel-layout rules, in one place: refuse a layout that cannot work, with the bad value and the
+    fix in the message; return the data-parallel size (None without a world size).
+
+    The arguments, ``initialize_model_parallel`` (through the registry), the memory plan and the model
+    configs all call this. ``world_size`` None checks the layout against the model alone (conversion).
+    ``gtp`` / ``egtp`` are megatron-core 0.19's weight-rematerialising tensor-parallel axes
+    (``gtp_remat_size``, ``expert_gtp_remat_size``), which take ranks of their own on the dense and the
+    expert grid."""
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                        ("context_parallel_size", cp), ("expert_model_parallel_size", ep),
+                        ("gtp_remat_size", gtp), ("expert_gtp_remat_size", egtp)):
         _positive(name, value)
     etp = tp if etp is None else _positive("expert_tensor_parallel_size", etp)
-    model = tp * pp * cp
-    if world_size % model:
-        raise ParallelConfigError(
-            f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x context "
-            f"({cp}) parallel = {model}. Launch a multiple of {model} processes, or change the sizes.")
-    dp = world_size // model
-    expert = etp * ep * pp
-    if world_size % expert:
-        raise ParallelConfigError(
-            f"world size {world_size} is not divisible by expert tensor ({etp}) x expert ({ep}) x "
-            f"pipeline ({pp}) parallel = {expert}. Change expert_model_parallel_size or "
-            "expert_tensor_parallel_size.")
-    if vpp is not None:
-        _positive("virtual_pipeline_model_parallel_size", vpp)
-        if pp < 2:
-            raise ParallelConfigError(
-                f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1 (got {pp}). "
-                "Drop the virtual pipeline size or use a pipeline.")
-    if num_attention_heads is not None:
-        if num_attention_heads % tp:
-            raise ParallelConfigError(
-                f"tensor parallel size {tp} does not divide the {num_attention_heads} attention heads. "
-                f"Use a tensor parallel size that divides {num_attention_heads}.")
-        groups = num_query_groups or num_attention_heads
-        if groups % tp:
-            raise ParallelConfigError(
-                f"tensor parallel size {tp} does not divide the {groups} query groups (GQA). Use a "
-                f"tensor parallel size that divides {groups}.")
-    if num_layers is not None:
-        stages = pp * (vpp or 1)
-        if num_layers % stages:
-            raise ParallelConfigError(
-                f"{num_layers} layers cannot be split evenly over pipeline ({pp}) x virtual pipeline "
-                f"({vpp or 1}) = {stages} stages. Choose sizes whose product divides {num_layers}.")
-    return dp
+    if vpp is not None and _positive("virtual_pipeline_model_parallel_size", vpp) and pp < 2:
+        raise ParallelConfigError(f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1 (got {pp}). "
+                                  "Drop the virtual pipeline size or use a pipeline.")
+    if model is not None:
+        _check_model(model, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp)
+    if world_size is None:
+        return None
+    _positive("world_size", world_size)
+    dense = [("tensor", tp), ("pipeline", pp), ("context", cp)] + [("gtp_remat", gtp)] * (gtp > 1)
+    _divides_world(world_size, dense, "Launch a multiple of {n} processes, or change the sizes.")
+    expert = [("expert tensor", etp), ("expert", ep), ("pipeline", pp)] + [("expert gtp_remat", egtp)] * (egtp > 1)
+    _divides_world(world_size, expert, "Change expert_model_parallel_size or expert_tensor_parallel_size"
+                   + (" or expert_gtp_remat_size." if egtp > 1 else "."))
+    return world_size // math.prod(size for _, size in dense)
+
+
+def _divides_world(world_size: int, axes: list, fix: str) -> None:
+    size = math.prod(n for _, n in axes)
+    if world_size % size:
+        raise ParallelConfigError(f"world size {world_size} is not divisible by "
+                                  + " x ".join(f"{name} ({n})" for name, n in axes)
+                                  + f" parallel = {size}. " + fix.format(n=size))
+
+
+def _check_model(model: ModelShape, *, tp: int, pp: int, vpp: int | None, cp: int, ep: int, etp: int) -> None:
+    """Heads, query groups, vocabulary and MLP widths split over (expert) tensor parallelism, layers over
+    pipeline stages, experts over expert parallelism, the sequence over context parallelism."""
+    split = [("num_attention_heads", tp, "tensor"), ("num_query_groups", tp, "tensor"),
+             ("vocab_size", tp, "tensor"), ("dense_ffn_hidden_size", tp, "tensor"),
+             ("expert_ffn_hidden_size", etp, "expert tensor"), ("shared_expert_ffn_hidden_size", tp, "tensor"),
+             ("num_experts", ep, "expert")]
+    for name, size, kind in split:
+        value = getattr(model, name)
+        if value is not None and value % size:
+            article = "an" if kind.startswith("e") else "a"
+            raise ParallelConfigError(f"{kind} parallel size {size} does not divide {name}={value}: use {article} "
+                                      f"{kind} parallel size that divides {value}")
+    stages = pp * (vpp or 1)
+    if model.num_layers is not None and model.num_layers % stages:
+        raise ParallelConfigError(f"{model.num_layers} layers cannot be split evenly over pipeline ({pp}) x virtual "
+                                  f"pipeline ({vpp or 1}) = {stages} stages: choose sizes whose product divides "
+                                  f"{model.num_layers}")
+    if model.num_experts is None and ep > 1:
+        raise ParallelConfigError(f"expert parallel size {ep} for a dense model: set num_experts, or use 1")
+    if model.num_experts is not None and model.expert_bias and etp > 1:
+        raise ParallelConfigError(f"expert tensor parallel size {etp} with add_bias_linear=True: megatron supports "
+                                  "expert biases only at expert tensor parallel size 1")
+    if model.seq_length is not None and cp > 1 and model.seq_length % (2 * cp):
+        raise ParallelConfigError(f"seq_length={model.seq_length} is not divisible by 2 x context parallel size {cp} "
+                                  f"= {2 * cp} (megatron's load-balanced split cuts the sequence into 2 x CP "
+                                  "chunks): change the sequence length or the context parallel size")
 
 
 def checked_initialize_model_parallel(initialize_model_parallel):
     """Registry wrapper: check megatron's sizes against the world before any group is created."""
 
+    signature = inspect.signature(initialize_model_parallel)
+
     @functools.wraps(initialize_model_parallel)
-    def initialize(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                   virtual_pipeline_model_parallel_size: int | None = None, *args, **kwargs):
+    def initialize(*args, **kwargs):
         if not torch.distributed.is_initialized():
             raise ParallelConfigError(
                 "initialize_model_parallel needs torch.distributed first: call "
                 "adapter.init_distributed() (or torch.distributed.init_process_group) before it.")
-        check_sizes(torch.distributed.get_world_size(), tp=tensor_model_parallel_size,
-                    pp=pipeline_model_parallel_size, vpp=virtual_pipeline_model_parallel_size,
-                    cp=kwargs.get("context_parallel_size", 1),
-                    ep=kwargs.get("expert_model_parallel_size", 1),
-                    etp=kwargs.get("expert_tensor_parallel_size"))
-        return initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
-                                         virtual_pipeline_model_parallel_size, *args, **kwargs)
+        given = signature.bind(*args, **kwargs)
+        given.apply_defaults()
+        check_sizes(_world_size(given.arguments), **{
+            ours: given.arguments[name] for name, ours in _MEGATRON_SIZE_ARGUMENTS.items()
+            if name in given.arguments})
+        return initialize_model_parallel(*args, **kwargs)
 
     return initialize
+
+
+# initialize_model_parallel's size arguments (by name, as each release spells them) -> check_sizes'
+_MEGATRON_SIZE_ARGUMENTS = {
+    "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
+    "virtual_pipeline_model_parallel_size": "vpp", "context_parallel_size": "cp",
+    "expert_model_parallel_size": "ep", "expert_tensor_parallel_size": "etp",
+    "gtp_remat_size": "gtp", "expert_gtp_remat_size": "egtp"}  # the last two from 0.19
+
+
+def _world_size(arguments: dict) -> int:
+    """The world megatron lays the groups over: 0.19's ``local_world_size`` where given."""
+    local = arguments.get("local_world_size")
+    return torch.distributed.get_world_size() if local is None else local
 
 
 def timeout_minutes(requested: float | None = None) -> float:

@@ -14,7 +14,7 @@ Guarantees, each covered by tests/test_registry.py:
 - a ``bind`` fills a name megatron left unbound or bound to None, and revert puts back exactly that.
 
 A ``route`` patch (target ``"package:*"``) changes no attribute: it hands every module of the package,
-imported now or later, to a router (``adapter.cuda_scope``) on apply and takes it back on revert.
+imported now or later, to a router (``adapter.cuda_routing``) on apply and takes it back on revert.
 """
 
 from __future__ import annotations

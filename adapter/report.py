@@ -32,7 +32,7 @@ import torch
 import adapter
 from adapter import backend as _backend
 from adapter import device as _device
-from adapter import cuda_scope, kernels, own_packages, quiet_warnings, stand_ins
+from adapter import cuda_routing, kernels, own_packages, quiet_warnings, stand_ins
 from adapter.core_source import megatron_training
 from adapter.registry import PatchRegistry
 
@@ -70,7 +70,7 @@ def collect(registry: PatchRegistry | None = None) -> dict:
     with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         data = {**backend_section(), "versions": versions(), "packages": own_packages.rows(), **kernel_section(),
-                "patches": patch_rows(registry), "cuda_routing": cuda_scope.rows(), "stand_ins": stand_ins.rows(),
+                "patches": patch_rows(registry), "cuda_routing": cuda_routing.rows(), "stand_ins": stand_ins.rows(),
                 "quiet_warnings": quiet_warnings.rows()}
     data["problems"] = problems(data)
     return data
@@ -414,9 +414,7 @@ def render(data: dict) -> str:
     width = max(map(len, data["versions"]))
     lines += [f"  {name:<{width}}  {value}" for name, value in data["versions"].items()]
     lines += ["", "packages (adapter.own_packages)"]
-    for row in data["packages"]:
-        shadow = f"; `{row['package']}` reaches {row['shadowed by']}" if "shadowed by" in row else ""
-        lines.append(f"  {row['package']:<8} imported as {row['imported as']} from {row['path']}{shadow}")
+    lines += [f"  {row['package']:<8} {row['path']}" for row in data["packages"]]
     provider = data["kernel_provider"]
     lines += ["", f"kernels: provider {provider['name']} ({provider['why']})"]
     if provider.get("fused_elementwise"):
@@ -435,7 +433,7 @@ def render(data: dict) -> str:
         lines.append(f"  {'':<8} {row['reason']}")
         if row["why"] or row["error"]:
             lines.append(f"  {'':<8} {'error' if row['error'] else 'why'}: {row['error'] or row['why']}")
-    lines += ["", "CUDA routing (adapter.cuda_scope; after importing the patch targets)"]
+    lines += ["", "CUDA routing (adapter.cuda_routing; after importing the patch targets)"]
     lines += [f"  {row['package']:<10} by {row['by']}: {row['modules']} modules routed, {row['tensor-call functions']} "
               "functions answering tensor-method spellings" for row in data["cuda_routing"]]
     if not data["cuda_routing"]:

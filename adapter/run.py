@@ -15,7 +15,8 @@ In order:
 3. ``adapter/_spawn_hook`` goes first on PYTHONPATH: its sitecustomize.py does the above in every Python
    process started from here on, before that process's main module runs. multiprocessing 'spawn' children
    (megatron's persistent async checkpoint worker) re-import the entry script, which imports megatron.
-4. The script runs as ``__main__``, its directory first on sys.path, as ``python SCRIPT.py`` would.
+4. The script runs as ``__main__``, its directory first on sys.path, as ``python SCRIPT.py`` would, with its
+   own CUDA spellings routed as megatron's are (``run_routed``).
 
 Problems found before the script starts are one line on stderr: exit status 2 for a missing script, 1
 for the environment (no megatron.training, a checkout whose megatron-core is not the installed one).
@@ -23,15 +24,17 @@ for the environment (no megatron.training, a checkout whose megatron-core is not
 
 from __future__ import annotations
 
+import ast
+import builtins
 import importlib.metadata
 import importlib.util
 import os
-import runpy
 import site
+import types
 import sys
 from pathlib import Path
 
-import adapter  # noqa: F401 - the backend and the patch table, before anything imports megatron
+import adapter  # the backend and the patch table, before anything imports megatron
 from adapter.core_source import (CHECKOUT, installed_megatron_core, megatron_lm_checkout, megatron_training,
                                  prefer_installed_megatron_core)
 
@@ -106,8 +109,34 @@ def main(argv: list[str] | None = None) -> int:
     hook_children()
     sys.argv = [str(script), *argv[1:]]
     sys.path[0] = str(script.parent)
-    runpy.run_path(str(script), run_name="__main__")
+    run_routed(script)
     return 0
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":`` (either order of the comparison)."""
+    test = getattr(node, "test", None)
+    if not isinstance(node, ast.If) or not isinstance(test, ast.Compare) or len(test.comparators) != 1:
+        return False
+    sides = [test.left, test.comparators[0]]
+    return isinstance(test.ops[0], ast.Eq) and {ast.unparse(side) for side in sides} == {"__name__", "'__main__'"}
+
+
+def run_routed(script: Path) -> None:
+    """Run ``script`` as ``__main__`` with its own CUDA spellings routed as megatron's are: its definitions
+    first (the body without its ``if __name__ == "__main__":`` blocks), then the script routed like a
+    module of a package given to ``adapter.route_cuda`` (torch, torch.cuda, ``.cuda()`` in its functions),
+    then those blocks. Megatron-LM 0.19's pretrain_gpt.py moves its batch with ``.cuda()`` in its own
+    ``get_batch``; routing after the whole script had run would be too late (its main block trains)."""
+    tree = ast.parse(script.read_text(), str(script))
+    guards = [node for node in tree.body if _is_main_guard(node)]
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=str(script), __builtins__=builtins, __spec__=None, __loader__=None)
+    sys.modules["__main__"] = module
+    definitions = ast.Module([node for node in tree.body if node not in guards], type_ignores=[])
+    exec(compile(definitions, str(script), "exec"), module.__dict__)  # noqa: S102 - the user's script
+    adapter.route_cuda("__main__")
+    exec(compile(ast.Module(guards, type_ignores=[]), str(script), "exec"), module.__dict__)  # noqa: S102
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""What a module that spells CUDA sees instead of torch, and the mode that answers its tensor methods.
+"""CUDA routing, the mechanism's view of torch: what a module that spells CUDA sees instead of torch, and
+the mode that answers its tensor methods (part of ``adapter.cuda_routing``, which hands them out).
 
-``adapter.cuda_scope`` gives every routed module (all of megatron on cpu and npu; a user's packages on
+``adapter.cuda_routing`` gives every routed module (all of megatron on cpu and npu; a user's packages on
 request) a *view* as its ``torch``: a module object sharing torch's namespace, except that ``torch.cuda``
 is ``adapter.device``. Modules whose code holds a CUDA device string (``"cuda"``, ``"cuda:N"``) or
 ``"nccl"`` get the *strings* view, which also routes ``device=`` of tensor factories, ``torch.device(...)``,
@@ -15,7 +16,7 @@ a device string or pass a backend on, none of which is per-layer code.
 
 What lives in tensor methods (``t.cuda()``, ``t.to("cuda")``, ``t.is_cuda``, ``t.type() ==
 "torch.cuda.FloatTensor"``, ``model.cuda()``) no view can reach: ``CudaCalls`` answers those, for the calls
-one module's own code makes, while a function of that module runs (``adapter.cuda_scope`` wraps the
+one module's own code makes, while a function of that module runs (``adapter.cuda_routing`` wraps the
 functions that spell them) or inside ``adapter.cuda_calls()``.
 """
 
@@ -72,6 +73,13 @@ class _RoutedDeviceType(type):
     mean torch.device (which cannot be subclassed)."""
 
     def __call__(cls, *args, **kwargs):
+        # torch.device("cuda", torch.cuda.current_device()) and torch.device(f"cuda:{...current_device()}")
+        # off an accelerator, where the current device is torch.device("cpu") (an int would name a CUDA
+        # device): that device. megatron.training 0.19 spells the second.
+        if len(args) == 2 and isinstance(args[1], _REAL_DEVICE):
+            return route_device(args[1])
+        if args and args[0] == "cuda:cpu" and not backend.current().is_accelerator:
+            return _REAL_DEVICE("cpu")
         return route_device(_REAL_DEVICE(*args, **kwargs))
 
     def __instancecheck__(cls, obj):
@@ -265,7 +273,7 @@ class CudaCalls(TorchFunctionMode):
 
 
 def routes_tensor_calls(fn, module: str):
-    """``fn`` run under ``CudaCalls(module)``: how ``adapter.cuda_scope`` wraps a function that spells CUDA
+    """``fn`` run under ``CudaCalls(module)``: how ``adapter.cuda_routing`` wraps a function that spells CUDA
     in tensor methods. The original stays reachable as ``__wrapped__``."""
 
     @functools.wraps(fn)

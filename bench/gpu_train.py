@@ -3,9 +3,9 @@
 Per named model (models/, random weights, nothing downloaded), the same shape, micro-batch and sequence
 length, each side in a fresh interpreter (one process, one rank: its memory peak is its own):
 
-- ``flow``: scripts/pretrain_gpt.py's model and step over ``adapter.training.pretrain`` with --mock-data,
-  ``--bf16 --use-distributed-optimizer`` (bf16 parameters, fp32 main parameters and gradients), the flow's
-  defaults for the device otherwise;
+- ``flow``: scripts/pretrain_gpt.py's model and step (``adapter.training.gpt_step``) over
+  ``adapter.training.pretrain`` with --mock-data, ``--bf16 --use-distributed-optimizer`` (bf16 parameters,
+  fp32 main parameters and gradients), the flow's defaults for the device otherwise;
 - ``transformers``: ``AutoModelForCausalLM`` from the same config (``models.hf.config_to_hf``), trained as
   HF Trainer's ``bf16=True`` runs it: fp32 parameters under ``torch.autocast(<device>, torch.bfloat16)``,
   SDPA attention, fused ``torch.optim.AdamW``, gradients clipped to norm 1.0.
@@ -121,7 +121,8 @@ def run_flow(name: str, device: str, steps: int, warmup: int, profile: str | Non
     from megatron.core.enums import ModelType
 
     from adapter.training import pretrain as flow
-    from scripts.pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+    from adapter.training.data import train_valid_test_datasets_provider
+    from adapter.training.gpt_step import forward_step, model_provider
 
     clock = StepClock(device, warmup, profile)
     flow.train_step = clock(flow.train_step)

@@ -195,7 +195,8 @@ def run_flow(iters: int, warmup: int, profile: str | None) -> float:
 
     from adapter.training import pretrain as flow
     from bench.gpu_train import StepClock
-    from scripts.pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+    from adapter.training.data import train_valid_test_datasets_provider
+    from adapter.training.gpt_step import forward_step, model_provider
 
     clock = StepClock(_device().type, warmup, profile)
     flow.train_step = clock(flow.train_step)

@@ -59,7 +59,8 @@ def run_megatron(iters: int, warmup: int) -> float:
     from megatron.core.enums import ModelType
 
     from adapter.training.pretrain import pretrain
-    from scripts.pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+    from adapter.training.data import train_valid_test_datasets_provider
+    from adapter.training.gpt_step import forward_step, model_provider
 
     m = _model()
     argv = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from adapter.parallel import ModelShape, ParallelConfigError, check_sizes
+
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
@@ -190,41 +192,24 @@ class ModelConfig:
         return dataclasses.replace(self, **overrides)
 
     def check_layout(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
-                     etp: int | None = None) -> None:
-        """Refuse a tensor/pipeline/expert layout megatron would fail on later, deep inside a layer. ``etp``
-        (expert tensor parallel) defaults to ``tp``, as in megatron."""
-        etp = tp if etp is None else etp
-        split = [("num_attention_heads", tp, "tensor"), ("num_query_groups", tp, "tensor"),
-                 ("vocab_size", tp, "tensor")]
-        if 0 in self.moe_layer_pattern():
-            split.append(("ffn_hidden_size", tp, "tensor"))
-        if self.num_experts is not None:
-            split += [("expert_ffn_hidden_size", etp, "expert tensor"),
-                      ("moe_shared_expert_intermediate_size", tp, "tensor")]
-        for name, size, kind in split:
-            value = getattr(self, name)
-            if value is not None and value % size:
-                raise ModelConfigError(f"{kind} parallel size {size} does not divide {name}={value}: choose a "
-                                       f"{kind} parallel size that divides {name}")
-        stages = pp * (vpp or 1)
-        if self.num_layers % stages:
-            raise ModelConfigError(
-                f"{self.num_layers} layers cannot be split evenly into {pp} pipeline stages"
-                + (f" x {vpp} virtual stages" if vpp else "") + ": choose sizes whose product divides "
-                f"num_layers")
-        self._check_expert_layout(ep, etp)
+                     etp: int | None = None, cp: int = 1) -> None:
+        """Refuse a tensor/pipeline/expert/context layout megatron would fail on later, deep inside a layer:
+        the rules are ``adapter.parallel.check_sizes``', over this model's ``shape``. ``etp`` (expert tensor
+        parallel) defaults to ``tp``, as in megatron."""
+        try:
+            check_sizes(None, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, model=self.shape())
+        except ParallelConfigError as exc:
+            raise ModelConfigError(str(exc)) from None
 
-    def _check_expert_layout(self, ep: int, etp: int) -> None:
-        if self.num_experts is None:
-            if ep > 1:
-                raise ModelConfigError(f"expert parallel size {ep} for a dense model: set num_experts, or use 1")
-            return
-        if self.num_experts % ep:
-            raise ModelConfigError(f"expert parallel size {ep} does not divide num_experts={self.num_experts}: "
-                                   "choose an EP size that divides the number of experts")
-        if self.add_bias_linear and etp > 1:
-            raise ModelConfigError(f"expert tensor parallel size {etp} with add_bias_linear=True: megatron "
-                                   "supports expert biases only at expert tensor parallel size 1")
+    def shape(self) -> ModelShape:
+        """What of this model a parallel layout must divide."""
+        moe = self.num_experts is not None
+        return ModelShape(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
+                          num_query_groups=self.num_query_groups, vocab_size=self.vocab_size,
+                          dense_ffn_hidden_size=self.ffn_hidden_size if 0 in self.moe_layer_pattern() else None,
+                          num_experts=self.num_experts, expert_ffn_hidden_size=self.expert_ffn_hidden_size if moe
+                          else None, shared_expert_ffn_hidden_size=self.moe_shared_expert_intermediate_size if moe
+                          else None, expert_bias=self.add_bias_linear, seq_length=self.seq_length)
 
     def num_parameters(self) -> int:
         """Parameter count, each tied weight counted once (as Hugging Face and megatron count), every expert

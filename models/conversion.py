@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint as mcore
+from . import checkpoint_dir, torch_dist_io
 from . import hf as hf_format
 from .config import ModelConfig, ModelConfigError
 from .safetensors_io import SafetensorsError, SafetensorsFile, SafetensorsStreamWriter
@@ -221,13 +221,13 @@ def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = 
     architecture = raw_config["architectures"][0]
     _check_layout(model, tp, pp, ep)
     weights = HFWeights(hf_dir)
-    with mcore.single_process_groups():
-        layout = mcore.megatron_layout(model)
+    with torch_dist_io.single_process_groups():
+        layout = torch_dist_io.megatron_layout(model)
     plan, sites = _plan(model, architecture, layout)
     expected = _hf_tensors(model, sites)
     _check_hf_tensors(weights, expected)
     target = _dtype(dtype) or weights.dtype[expected[0][0]]
-    if (save_dir / mcore.TRACKER).exists() or (save_dir / mcore.RELEASE).exists():
+    if (save_dir / checkpoint_dir.TRACKER).exists() or (save_dir / checkpoint_dir.RELEASE).exists():
         raise ConversionError(f"{save_dir} already holds a checkpoint: choose an empty --save-dir")
 
     bar = _progress(progress, sum(_nbytes(e.local_shape, target) for e, _ in plan), "hf -> mcore")
@@ -239,18 +239,18 @@ def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = 
             offset = list(entry.global_offset)
             offset[axis] += start
             shape = (1,) * axis + (count, *entry.local_shape[1:])
-            chunks.append(mcore.tensor_chunk(entry.key, entry.global_shape, offset, shape, target,
+            chunks.append(torch_dist_io.tensor_chunk(entry.key, entry.global_shape, offset, shape, target,
                                              rows(site, entry.global_offset[axis] + start, count, shape)))
-    chunks += [mcore.object_chunk(entry.unique_key, entry.data) for entry in layout
+    chunks += [torch_dist_io.object_chunk(entry.unique_key, entry.data) for entry in layout
                if isinstance(entry, ShardedObject)]
-    common = {"checkpoint_version": mcore.CHECKPOINT_VERSION, "iteration": 0,
+    common = {"checkpoint_version": checkpoint_dir.CHECKPOINT_VERSION, "iteration": 0,
               "model_config": dataclasses.asdict(model), "hf_architecture": architecture,
               "converted_for": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                 "expert_model_parallel_size": ep}}
     save_dir.mkdir(parents=True, exist_ok=True)
     _copy_assets(hf_dir, save_dir / HF_ASSETS, with_config=True)
-    with mcore.single_process_groups():
-        path = mcore.write_checkpoint(save_dir, chunks, common)
+    with torch_dist_io.single_process_groups():
+        path = torch_dist_io.write_checkpoint(save_dir, chunks, common)
     bar.close()
     return path
 
@@ -292,8 +292,8 @@ def mcore_to_hf(load_dir, save_dir, iteration=None, model: ModelConfig | None = 
     order: ``model``; the config.json the checkpoint was converted from; its common state."""
     load_dir, save_dir = Path(load_dir), Path(save_dir)
     try:
-        checkpoint = mcore.iteration_dir(load_dir, iteration)
-    except mcore.CheckpointError as exc:
+        checkpoint = checkpoint_dir.iteration_dir(load_dir, iteration)
+    except checkpoint_dir.CheckpointError as exc:
         raise ConversionError(str(exc)) from exc
     if save_dir.exists() and any(save_dir.iterdir()):
         raise ConversionError(f"--save-dir {save_dir} is not empty: choose a new directory")
@@ -304,8 +304,8 @@ def mcore_to_hf(load_dir, save_dir, iteration=None, model: ModelConfig | None = 
     if model is None:
         model = _stored_model(checkpoint)
     architecture = raw_config["architectures"][0] if raw_config else hf_format.architecture_for(model)
-    with mcore.single_process_groups():
-        plan, sites = _plan(model, architecture, mcore.megatron_layout(model))
+    with torch_dist_io.single_process_groups():
+        plan, sites = _plan(model, architecture, torch_dist_io.megatron_layout(model))
         stored = _stored_tensors(checkpoint, plan)
         source_dtype = stored["embedding.word_embeddings.weight"].dtype
         target = _dtype(dtype) or source_dtype
@@ -336,7 +336,7 @@ def mcore_to_hf(load_dir, save_dir, iteration=None, model: ModelConfig | None = 
 def _stored_tensors(checkpoint: Path, plan: list[tuple]) -> dict:
     """The checkpoint's tensor metadata, once every tensor the model has is checked to be there in the
     model's global shape (a checkpoint of another model is refused before anything is written)."""
-    stored = mcore.tensors_metadata(checkpoint)
+    stored = torch_dist_io.tensors_metadata(checkpoint)
     for entry in {entry.key: entry for entry, _ in plan}.values():
         if entry.key not in stored:
             raise ConversionError(f"{checkpoint} has no {entry.key!r}: it is not a checkpoint of this model")
@@ -349,7 +349,7 @@ def _stored_tensors(checkpoint: Path, plan: list[tuple]) -> dict:
 def _stored_model(checkpoint: Path) -> ModelConfig:
     """The ModelConfig a checkpoint written by this project records in its common state."""
     try:
-        stored = mcore.read_common(checkpoint).get("model_config")
+        stored = checkpoint_dir.read_common(checkpoint).get("model_config")
         return ModelConfig(**stored)
     except (pickle.UnpicklingError, TypeError, ModelConfigError) as exc:  # not ours, or from elsewhere
         raise ConversionError(f"{checkpoint} does not say which model it holds ({type(exc).__name__}): "
@@ -374,7 +374,7 @@ def _write_hf(checkpoint, model, hf_tensors, shards, out: Path, stored, dtype, b
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     shape_of = {name: shape for name, shape, *_ in hf_tensors}
     writers = iter(list(zip(files, shards)))
-    reader = mcore.checkpoint_reader(checkpoint)
+    reader = torch_dist_io.checkpoint_reader(checkpoint)
     writer, file_of, total, whole = None, {}, 0, {}
     for name, shape, site, index in hf_tensors:
         if writer is None or writer.complete:
@@ -390,12 +390,12 @@ def _write_hf(checkpoint, model, hf_tensors, shards, out: Path, stored, dtype, b
         if span is not None:  # a row range of the megatron tensor: copied over in blocks
             for start, count in _row_blocks((span[1], *rest), source):
                 region = (lead + (span[0] + start,) + (0,) * len(rest), (1,) * len(lead) + (count, *rest), source)
-                block = mcore.read_regions(reader, {site.key: region})[site.key]
+                block = torch_dist_io.read_regions(reader, {site.key: region})[site.key]
                 writer.write(name, block.reshape(count, *rest).to(dtype))
         else:  # rows scattered over the megatron tensor (QKV): read it whole once for its parts
             if whole.get("site") != site:
                 region = (lead + (0,) * len(site.shape), (1,) * len(lead) + site.shape, source)
-                tensor = mcore.read_regions(reader, {site.key: region})[site.key]
+                tensor = torch_dist_io.read_regions(reader, {site.key: region})[site.key]
                 whole = {"site": site, "parts": site.mapping.to_hf(tensor.reshape(site.shape), model)}
             writer.write(name, whole["parts"][index].to(dtype))
         nbytes = _nbytes(shape, dtype)

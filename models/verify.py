@@ -64,7 +64,7 @@ def _rank_main(args) -> int:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from .checkpoint import load_model_weights
+    from .torch_dist_io import load_model_weights
     from .conversion import read_hf_config
     from .provider import build_model, transformer_config
     from pathlib import Path

@@ -20,7 +20,7 @@ def init_data_on_this_device(init_data):
     tensor into with ``ShardedTensor.init_data("cuda")`` (``exchange_utils._get_empty_tensor_for_exchange``,
     for the ShardedTensors that hold no data yet, as ``load_tensors_metadata`` / ``load_plain_tensors``
     give them). The string is an argument: mapping.py, where it reaches ``torch.empty``, spells no CUDA
-    device, so the routing rule (adapter.cuda_scope) leaves that module's ``torch.empty`` alone and it
+    device, so the routing rule (adapter.cuda_routing) leaves that module's ``torch.empty`` alone and it
     raised "Torch not compiled with CUDA enabled". A CUDA device (or a bare index) given to ``init_data`` is
     routed to this backend's device, as the view routes a literal one; any other device passes unchanged."""
 

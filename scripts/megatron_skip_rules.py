@@ -31,7 +31,7 @@ CUDA_ONLY_LIBRARIES = {
     "grouped_gemm": "grouped_gemm (CUDA kernels)", "deep_ep": "DeepEP", "flashinfer": "FlashInfer",
     "nvidia_resiliency_ext": "NVIDIA Resiliency Extension", "fast_hadamard_transform": "fast-hadamard-transform",
     "mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d", "modelopt": "NVIDIA ModelOpt",
-    "cupy": "CuPy", "nvshmem": "NVSHMEM",
+    "cupy": "CuPy", "nvshmem": "NVSHMEM", "cudnn": "cuDNN frontend", "tilelang": "TileLang",
 }
 
 # Libraries that are not CUDA-only but cannot be installed on this Python: (needed, the first Python that
@@ -53,6 +53,9 @@ SOURCE_RULES = [
     ("CUDA graphs", re.compile(r"cuda_graph_impl\s*=\s*['\"](?!none)|(enable|use)_cuda_graph\s*=\s*True|"
                                r"CudaGraphManager|CudaGraphHelper|cuda_graph_helper|torch\.cuda\.(graph|CUDAGraph)\b")),
     ("Triton", re.compile(r"\btriton\b")),
+    # megatron-core 0.19's DeepSeek sparse attention kernels: cuDNN frontend graphs for Hopper, TileLang
+    ("cuDNN frontend (fused DSA kernels, Hopper or later)", re.compile(r"dsa_cudnn_kernels")),
+    ("TileLang (DSA indexer kernels)", re.compile(r"\btilelang\b")),
     ("apex's CUDA extensions", re.compile(r"\bapex\b")),
 ]
 
@@ -74,10 +77,13 @@ ERROR_RULES = [
                                       r"(requires|install|needs) [Tt]ransformer[ _-]?[Ee]ngine|"
                                       r"name '(TE[A-Z]\w*|FP8GlobalStateManager|fp8_autocast|te)' is not defined|"
                                       # fp8_utils defines its fp8 helpers only when Transformer Engine imports
-                                      r"module 'megatron\.core\.fp8_utils' has no attribute")),
+                                      r"module 'megatron\.core\.fp8_utils' has no attribute|"
+                                      # 0.19 binds TESpecProvider to None without TE; a TE spec then calls it
+                                      r"TESpecProvider\(\)[\s\S]{0,400}'NoneType' object is not callable")),
     ("apex's CUDA extensions", re.compile(r"[Aa]pex is not installed|requires [Aa]pex")),
     ("NCCL", re.compile(r"asked torch\.cuda\.nccl\b")),  # the device layer has no NCCL off CUDA
     ("grouped_gemm (CUDA kernels)", re.compile(r"Grouped GEMM is not available")),  # moe_grouped_gemm's GroupedMLP
+    ("cuDNN frontend (fused DSA kernels, Hopper or later)", re.compile(r"cudnn fused DSA requires SM90\+")),
 ]
 _NO_MODULE = re.compile(r"No module named '([A-Za-z0-9_]+)")
 

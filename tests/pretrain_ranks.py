@@ -1,5 +1,6 @@
-"""Rank functions for the pretrain-flow tests: scripts/pretrain_gpt.py's providers through ``pretrain``, as
-they are, killed at a step of a save, failing in one, or inspected after training."""
+"""Rank functions for the pretrain-flow tests: scripts/pretrain_gpt.py's step (adapter.training.gpt_step) and
+dataset provider through ``pretrain``, as they are, killed at a step of a save, failing in one, or inspected
+after training."""
 
 from __future__ import annotations
 
@@ -18,19 +19,20 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 from megatron.core.enums import ModelType
 
-import models.checkpoint as mcore
+from models import checkpoint_dir, torch_dist_io
 from adapter.training import checkpointing
 from adapter.training import pretrain as flow
 from models.verify import megatron_logits
-from scripts.pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+from adapter.training.data import train_valid_test_datasets_provider
+from adapter.training.gpt_step import forward_step, model_provider
 
 
 def stopped_at(saved: Path, iteration: int, into: Path) -> Path:
     """A save directory holding only ``saved``'s checkpoint of ``iteration``, as if that run had stopped
     there: one run gives a reference curve and the checkpoint to resume it from (a save leaves the curve as
     it is, which the resumed runs then show bit for bit)."""
-    shutil.copytree(saved / mcore.checkpoint_name(iteration), into / mcore.checkpoint_name(iteration))
-    (into / mcore.TRACKER).write_text(str(iteration))
+    shutil.copytree(saved / checkpoint_dir.checkpoint_name(iteration), into / checkpoint_dir.checkpoint_name(iteration))
+    (into / checkpoint_dir.TRACKER).write_text(str(iteration))
     return into
 
 
@@ -67,15 +69,15 @@ def run_pretrain_killed_at(argv: list[str], iteration: int, step: str, pid_dir: 
     process is SIGKILLed, as a node failure or a job scheduler would."""
     Path(pid_dir, f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
     if os.environ["RANK"] == "0":
-        name = mcore.checkpoint_name(iteration)
+        name = checkpoint_dir.checkpoint_name(iteration)
         _after(checkpointing.dist_checkpointing, "save", lambda state, directory, *a, **k: name in directory,
                {"partial made": "before", "partial written": "after"}.get(step), pid_dir)
         moved = {"old copy moved aside": lambda src, dst: Path(src).name == name,
                  "new copy moved in": lambda src, dst: Path(dst).name == name}
         if step in moved:
-            _after(mcore.os, "rename", moved[step], "after", pid_dir)
+            _after(checkpoint_dir.os, "rename", moved[step], "after", pid_dir)
         if step == "tracker replaced":
-            _after(mcore.os, "replace", lambda src, dst: Path(dst).name == mcore.TRACKER and
+            _after(checkpoint_dir.os, "replace", lambda src, dst: Path(dst).name == checkpoint_dir.TRACKER and
                    Path(dst).read_text() == str(iteration), "after", pid_dir)
     return run_pretrain(argv)
 
@@ -110,7 +112,7 @@ def _kill_every_rank(pid_dir: str) -> None:
 
 def _failures(iteration: int) -> dict:
     """failure -> (the rank it happens on, what makes it happen there)."""
-    name = mcore.checkpoint_name(iteration)
+    name = checkpoint_dir.checkpoint_name(iteration)
     return {
         # rank 1's disk fills up as it starts writing; rank 0 is then inside megatron's collectives
         "rank 1 cannot write": (1, lambda: _fail_in(
@@ -118,7 +120,7 @@ def _failures(iteration: int) -> dict:
             OSError(errno.ENOSPC, "No space left on device"))),
         # rank 0 may not rename the written checkpoint into place; the others wait in the closing barrier
         "rank 0 cannot publish": (0, lambda: _fail_in(
-            mcore.os, "rename", lambda src, dst: Path(dst).name == name,
+            checkpoint_dir.os, "rename", lambda src, dst: Path(dst).name == name,
             PermissionError(errno.EACCES, "Permission denied"))),
     }
 
@@ -165,8 +167,8 @@ def run_pretrain_and_compare_with_saved(argv: list[str], tokens: torch.Tensor) -
     args = flow.global_vars.get_args()
     logits = megatron_logits(chunks, tokens, args.model_config)  # the next forward: its hooks gather all
     live = _parameters(chunks)
-    reader = mcore.checkpoint_reader(mcore.iteration_dir(args.save))
-    saved = mcore.read_regions(reader, {t.key: ((0,) * len(t.global_shape), tuple(t.global_shape), t.dtype)
+    reader = torch_dist_io.checkpoint_reader(checkpoint_dir.iteration_dir(args.save))
+    saved = torch_dist_io.read_regions(reader, {t.key: ((0,) * len(t.global_shape), tuple(t.global_shape), t.dtype)
                                         for t in _sharded_tensors(chunks)})
     saved = {(t.key, t.global_offset): saved[t.key][tuple(slice(o, o + n) for o, n in zip(
         t.global_offset, (1,) * t.prepend_axis_num + tuple(t.local_shape)))].reshape(t.data.shape)

@@ -104,6 +104,40 @@ def test_a_checkout_of_another_megatron_core_is_refused_naming_both_versions(tmp
     assert f"check out the Megatron-LM tag core_v{INSTALLED_CORE}" in done.stderr
 
 
+# A script written for CUDA whose own function moves a batch with .cuda() and whose main block calls it, as
+# Megatron-LM 0.19's pretrain_gpt.py does in get_batch.
+CUDA_SCRIPT = '''
+import torch
+
+
+def get_batch():
+    batch = {"tokens": torch.ones(2)}
+    return {key: value.cuda(non_blocking=True) for key, value in batch.items()}
+
+
+if __name__ == "__main__":
+    print(get_batch()["tokens"].device.type, torch.cuda.current_device(), __name__)
+'''
+
+
+@pytest.mark.skipif(not WHEEL_SHIPS_TRAINING, reason="megatron.training comes from a checkout before 0.17")
+def test_the_scripts_own_cuda_spellings_are_routed_before_its_main_block_runs(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(CUDA_SCRIPT)
+    done = _launch(str(script), pythonpath=[], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["cpu", "cpu", "__main__"]
+
+
+def test_only_the_main_guard_is_held_back():
+    import ast
+
+    guards = [run._is_main_guard(ast.parse(text).body[0]) for text in (
+        "if __name__ == '__main__':\n    pass", "if '__main__' == __name__:\n    pass",
+        "if __name__ == 'x':\n    pass", "if DEBUG:\n    pass", "x = 1")]
+    assert guards == [True, True, False, False, False]
+
+
 @pytest.mark.slow
 def test_spawned_children_import_the_adapter_first_and_the_installed_megatron_core(tmp_path):
     checkout = _checkout(tmp_path)

@@ -143,3 +143,6 @@ def test_memory_counters_are_zero():
     assert device.memory_stats() == {}
     assert device.reset_peak_memory_stats() is None
     assert device.empty_cache() is None
+    # the torch.cuda.memory.<name> spelling reaches the same functions
+    assert device.memory.empty_cache is device.empty_cache
+    assert device.memory.max_memory_allocated is device.max_memory_allocated

@@ -1,13 +1,13 @@
 """Publishing a checkpoint and finding the one to load, on directories laid out as each instant of a save
-leaves them (models.checkpoint): quick, in process; tests/test_checkpoint_safety.py kills real ranks."""
+leaves them (models.checkpoint_dir): quick, in process; tests/test_checkpoint_safety.py kills real ranks."""
 
 from __future__ import annotations
 
 import pytest
 from packaging.version import Version
 
-import models.checkpoint as mcore
-from models.checkpoint import TRACKER, CheckpointError
+from models import checkpoint_dir
+from models.checkpoint_dir import TRACKER, CheckpointError
 
 
 def _checkpoint(path, content: str = "old", common: bool = True):
@@ -17,20 +17,20 @@ def _checkpoint(path, content: str = "old", common: bool = True):
     (path / "metadata.json").write_text(content)
     (path / ".metadata").write_text(content)
     if common:
-        (path / mcore.COMMON_FILE).write_text(content)
+        (path / checkpoint_dir.COMMON_FILE).write_text(content)
     return path
 
 
 def _published(tmp_path, iteration: int = 5):
-    _checkpoint(tmp_path / mcore.checkpoint_name(iteration))
+    _checkpoint(tmp_path / checkpoint_dir.checkpoint_name(iteration))
     (tmp_path / TRACKER).write_text(str(iteration))
-    return tmp_path / mcore.checkpoint_name(iteration)
+    return tmp_path / checkpoint_dir.checkpoint_name(iteration)
 
 
 def test_publishing_over_an_existing_iteration_leaves_the_new_copy_and_nothing_else(tmp_path):
     final = _published(tmp_path)
     partial = _checkpoint(tmp_path / ".iter_0000005.partial", "new")
-    assert mcore.publish(partial, 5) == final
+    assert checkpoint_dir.publish(partial, 5) == final
     assert (final / "metadata.json").read_text() == "new"
     assert (tmp_path / TRACKER).read_text() == "5"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000005", TRACKER]
@@ -40,12 +40,12 @@ def test_each_step_of_a_publish_is_on_disk_before_the_next(tmp_path, monkeypatch
     _published(tmp_path)
     partial = _checkpoint(tmp_path / ".iter_0000005.partial", "new")
     steps = []
-    monkeypatch.setattr(mcore, "_fsync", lambda path: steps.append(("fsync", path.name)))
+    monkeypatch.setattr(checkpoint_dir, "_fsync", lambda path: steps.append(("fsync", path.name)))
     for name in ("rename", "replace"):
-        original = getattr(mcore.os, name)
-        monkeypatch.setattr(mcore.os, name, lambda src, dst, original=original, name=name: (
+        original = getattr(checkpoint_dir.os, name)
+        monkeypatch.setattr(checkpoint_dir.os, name, lambda src, dst, original=original, name=name: (
             steps.append((name, f"{src.name} -> {dst.name}")), original(src, dst))[1])
-    mcore.publish(partial, 5)
+    checkpoint_dir.publish(partial, 5)
     moves = [i for i, step in enumerate(steps) if step[0] != "fsync"]
     assert [steps[i] for i in moves] == [("rename", "iter_0000005 -> .iter_0000005.replaced"),
                                          ("rename", ".iter_0000005.partial -> iter_0000005"),
@@ -66,10 +66,10 @@ def test_the_next_start_loads_a_complete_copy_after_a_kill_at_each_step(tmp_path
         final.rename(tmp_path / ".iter_0000005.replaced")
     if state in ("new copy moved in", "tracker replaced"):
         (tmp_path / ".iter_0000005.partial").rename(final)
-    assert mcore.checkpoint_to_load(tmp_path, recoverable=True) == final
-    done = mcore.recover_interrupted_save(tmp_path)
+    assert checkpoint_dir.checkpoint_to_load(tmp_path, recoverable=True) == final
+    done = checkpoint_dir.recover_interrupted_save(tmp_path)
     assert done and all(".iter_0000005." in line for line in done)
-    assert mcore.checkpoint_to_load(tmp_path) == final
+    assert checkpoint_dir.checkpoint_to_load(tmp_path) == final
     assert (final / "metadata.json").read_text() == loads
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000005", TRACKER]
 
@@ -79,7 +79,7 @@ def test_a_copy_moved_aside_is_named_where_it_cannot_be_put_back(tmp_path):
     final.rename(tmp_path / ".iter_0000005.replaced")
     with pytest.raises(CheckpointError, match=r"names .*iter_0000005, which is missing; its previous copy is "
                                               r"complete at \.iter_0000005\.replaced .*rename it to iter_0000005"):
-        mcore.checkpoint_to_load(tmp_path)
+        checkpoint_dir.checkpoint_to_load(tmp_path)
 
 
 @pytest.mark.parametrize("tracker, message", [
@@ -97,13 +97,13 @@ def test_a_tracker_that_does_not_lead_to_a_complete_checkpoint_is_an_error(tmp_p
     else:
         (tmp_path / TRACKER).write_text(tracker)
     with pytest.raises(CheckpointError, match=message):
-        mcore.checkpoint_to_load(tmp_path)
+        checkpoint_dir.checkpoint_to_load(tmp_path)
 
 
 def test_nothing_published_is_a_start_from_scratch(tmp_path):
     (tmp_path / ".iter_0000003.partial").mkdir()
-    assert mcore.checkpoint_to_load(tmp_path) is None
-    assert mcore.checkpoint_to_load(tmp_path / "not-there") is None
+    assert checkpoint_dir.checkpoint_to_load(tmp_path) is None
+    assert checkpoint_dir.checkpoint_to_load(tmp_path / "not-there") is None
 
 
 @pytest.mark.parametrize("where", ["tracker", "directory", "iteration"])
@@ -113,15 +113,15 @@ def test_a_checkpoint_without_common_pt_is_refused_where_megatron_cannot_read_it
     loader would stop with "Common file ... does not exist" once every rank had built its model)."""
     checkpoint = _checkpoint(tmp_path / "iter_0000005", common=False)
     (tmp_path / TRACKER).write_text("5")
-    find = {"tracker": lambda: mcore.checkpoint_to_load(tmp_path),
-            "directory": lambda: mcore.checkpoint_to_load(checkpoint),
-            "iteration": lambda: mcore.iteration_dir(tmp_path, 5)}[where]
-    if mcore.MEGATRON_CORE >= Version("0.19"):
+    find = {"tracker": lambda: checkpoint_dir.checkpoint_to_load(tmp_path),
+            "directory": lambda: checkpoint_dir.checkpoint_to_load(checkpoint),
+            "iteration": lambda: checkpoint_dir.iteration_dir(tmp_path, 5)}[where]
+    if checkpoint_dir.MEGATRON_CORE >= Version("0.19"):
         assert find() == checkpoint
         return
     with pytest.raises(CheckpointError) as refused:
         find()
     assert str(refused.value) == (
         f"{checkpoint} was saved by megatron-core 0.19 or later (its common state is inside the torch_dist files; "
-        f"there is no common.pt), which megatron-core {mcore.MEGATRON_CORE} cannot read: load it with "
+        f"there is no common.pt), which megatron-core {checkpoint_dir.MEGATRON_CORE} cannot read: load it with "
         "megatron-core 0.19 or later")

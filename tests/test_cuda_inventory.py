@@ -1,7 +1,7 @@
 """Every CUDA site of megatron has a verdict, and the source-level model of the routing rule is what
 routing really does.
 
-The inventory (adapter/cuda_inventory.py) reads source text; a site nothing accounts for fails the test
+The inventory (tests/cuda_inventory.py) reads source text; a site nothing accounts for fails the test
 with its file:line, so a new megatron release shows exactly what it added. The slow test imports every
 megatron.core module with and without the adapter and compares what routing wrapped with what the
 source model says it wraps."""
@@ -20,8 +20,9 @@ import megatron.core
 import pytest
 
 import adapter
-from adapter import cuda_inventory, cuda_only_features, cuda_sites_table
+from adapter import cuda_only_features
 from adapter.core_source import megatron_training
+from tests import cuda_inventory, cuda_sites_table
 
 CORE = Path(megatron.core.__file__).parent
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,9 +175,9 @@ PROBE = textwrap.dedent('''
     imported = sorted(n for n in sys.modules if n.startswith("megatron.core."))
     out = {"ok": ok, "failed": failed, "imported": imported, "wrapped": []}
     if sys.argv[1] == "adapter":
-        from adapter import cuda_scope
+        from adapter import cuda_routing
         out["wrapped"] = sorted(f"{name}:{(owner.__qualname__ + '.') if isinstance(owner, type) else ''}{attr}"
-                                for name, r in cuda_scope._ROUTED.items() for owner, attr, _ in r.wrapped)
+                                for name, r in cuda_routing._ROUTED.items() for owner, attr, _ in r.wrapped)
     print("RESULT " + json.dumps(out))
 ''')
 
@@ -209,7 +210,7 @@ def _codes(code):
 
 def _tensor_method_by_dis(code) -> bool:
     """The rule's ``.cuda()`` / ``.to("cuda")`` test, read off dis.get_instructions: the reference for the
-    byte-level reading cuda_scope does at import."""
+    byte-level reading cuda_routing does at import."""
     loads = ("LOAD_ATTR", "LOAD_METHOD")
     ins = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname != "EXTENDED_ARG"]
     for i, (opname, argval) in enumerate(ins):
@@ -227,13 +228,13 @@ def _tensor_method_by_dis(code) -> bool:
 
 @pytest.mark.slow
 def test_the_bytecode_rule_reads_what_dis_reads():
-    from adapter import cuda_scope
+    from adapter import cuda_routing
 
     disagree, spelled = [], 0
     for file in sorted(CORE.rglob("*.py")):
         for code in _codes(compile(file.read_text(encoding="utf-8"), str(file), "exec")):
             expected = _tensor_method_by_dis(code)
             spelled += expected
-            if cuda_scope._tensor_method_here(code) != expected:
+            if cuda_routing._tensor_method_here(code) != expected:
                 disagree.append(f"{file}: {code.co_name} (line {code.co_firstlineno})")
     assert spelled > 5 and not disagree, disagree

@@ -9,7 +9,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 import adapter  # noqa: F401 - applies the refusals
 from adapter.cuda_only_features import FEATURES, CudaOnlyFeatureError
-from patches.cuda_only import refuse_configured, refuse_nvshmem_refit
+from patches.cuda_only_features import refuse_configured, refuse_nvshmem_refit
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 TRANSFORMER = [("enable_cuda_graph", True), ("external_cuda_graph", True), ("cuda_graph_impl", "local"),

@@ -240,6 +240,31 @@ def test_provider_follows_the_backend_unless_overridden(monkeypatch):
 
 def test_every_provider_defines_the_whole_api(provider):
     assert [name for name in kernels.PROVIDER_API if not hasattr(provider, name)] == []
+    assert provider.Norm is getattr(provider, f"{provider.NAME.capitalize()}Norm")
+    assert (provider.Norm.rms_norm, provider.Norm.layer_norm) == (provider.rms_norm, provider.layer_norm)
+
+
+def test_the_provider_base_adds_only_what_a_provider_left_out():
+    from adapter.kernels import context_parallel, provider
+
+    supplied = {name: object() for name in provider.REQUIRED}
+    own_rope = object()
+    namespace = {**supplied, "__name__": "somewhere.demo_provider", "NAME": "demo", "rope": own_rope}
+    provider.complete(namespace)
+    assert set(kernels.PROVIDER_API) <= set(namespace)
+    assert namespace["rope"] is own_rope and namespace["scaled_masked_softmax"] is None
+    assert namespace["installed_norm"]() is None and namespace["merge_with_lse"] is context_parallel.merge_with_lse
+    assert namespace["Norm"] is namespace["DemoNorm"]
+    assert (namespace["Norm"].__module__, namespace["Norm"].rms_norm) == ("somewhere.demo_provider",
+                                                                          supplied["rms_norm"])
+
+
+def test_a_provider_without_a_kernel_of_its_own_fails_at_import():
+    from adapter.kernels import provider
+
+    with pytest.raises(NotImplementedError, match="demo_provider defines no grouped_mm, moe_permute"):
+        provider.complete({name: None for name in provider.REQUIRED if name not in ("grouped_mm", "moe_permute")}
+                          | {"__name__": "demo_provider"})
 
 
 def test_importing_adapter_leaves_megatron_unimported():

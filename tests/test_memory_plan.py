@@ -166,11 +166,11 @@ def test_interleaving_holds_more_micro_batches_on_stage_0():
 
 
 @pytest.mark.parametrize("change, error, message", [
-    (dict(tp=3), ModelConfigError, "tensor parallel size 3 does not divide num_attention_heads=64"),
-    (dict(vpp=3), ModelConfigError, "80 layers cannot be split evenly into 4 pipeline stages x 3 virtual"),
+    (dict(tp=3), PlanError, "tensor parallel size 3 does not divide num_attention_heads=64"),
+    (dict(vpp=3), PlanError, r"80 layers cannot be split evenly over pipeline \(4\) x virtual pipeline \(3\) = 12"),
     (dict(global_batch_size=127), PlanError, "global batch 127 is not divisible by micro batch 2 x DP 1"),
     (dict(global_batch_size=4, micro_batch_size=2, dp=1), PlanError, "groups of PP 4"),
-    (dict(pp=1, vpp=2), PlanError, "need a pipeline"),
+    (dict(pp=1, vpp=2), PlanError, "virtual pipeline size 2 needs pipeline_model_parallel_size > 1"),
     (dict(seq_length=4100), PlanError, "does not divide them"),
     (dict(dp=0), PlanError, "dp=0: must be a positive integer"),
 ])
@@ -198,7 +198,8 @@ def test_cli_world_size_from_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--world-size", "8", *RECIPE_ARGS], "error: world size 8 is not divisible by TP 8 x PP 4 x CP 1 = 32"),
+    (["--world-size", "8", *RECIPE_ARGS],
+     "error: world size 8 is not divisible by tensor (8) x pipeline (4) x context (1) parallel = 32"),
     (["--world-size", "32", *RECIPE_ARGS, "--tensor-model-parallel-size", "3"],
      "error: tensor parallel size 3 does not divide"),
     (["--world-size", "32", *RECIPE_ARGS, "--num-layers-per-virtual-pipeline-stage", "3"],
@@ -282,7 +283,7 @@ def test_72b_dry_runs_print_a_command_the_flow_accepts_and_a_plan_that_fits(tmp_
 
 
 def test_context_parallel_splits_the_sequence_in_2cp_chunks():
-    with pytest.raises(PlanError, match="seq length 4098 is not divisible by 2 x CP 2 = 4"):
+    with pytest.raises(PlanError, match=r"seq_length=4098 is not divisible by 2 x context parallel size 2 = 4"):
         plan(QWEN72B, **{**RECIPE, "seq_length": 4098}, cp=2)
 
 
@@ -377,10 +378,9 @@ def test_moe_layers_per_stage_follow_the_pattern():
 
 
 @pytest.mark.parametrize("change, error, message", [
-    (dict(ep=3), ModelConfigError, "expert parallel size 3 does not divide num_experts=64"),
-    (dict(ep=16), PlanError, "the 8 devices of a pipeline stage (TP 2 x DP 4 x CP 1) are not divisible by expert "
-                             "TP 1 x EP 16"),
-    (dict(etp=3, ep=1), ModelConfigError, "expert tensor parallel size 3 does not divide expert_ffn_hidden_size"),
+    (dict(ep=3), PlanError, "expert parallel size 3 does not divide num_experts=64"),
+    (dict(ep=16), PlanError, "is not divisible by expert tensor (1) x expert (16) x pipeline"),
+    (dict(etp=3, ep=1), PlanError, "expert tensor parallel size 3 does not divide expert_ffn_hidden_size"),
 ])
 def test_moe_layout_errors(change, error, message):
     with pytest.raises(error, match=re.escape(message)):
@@ -414,7 +414,7 @@ def test_cli_moe_table(capsys):
 def test_cli_moe_world_size_error(capsys):
     assert memory_plan.main(["--world-size", "32", *MOE_ARGS, "--expert-model-parallel-size", "16"]) == 2
     assert capsys.readouterr().err.startswith(
-        "error: world size 32 is not divisible by expert TP 1 x EP 16 x PP 4 = 64")
+        "error: world size 32 is not divisible by expert tensor (1) x expert (16) x pipeline (4) parallel = 64")
 
 
 # Qwen3-0.6B (huggingface.co/Qwen/Qwen3-0.6B-Base config.json): 16 heads of 128, 2048 wide against a hidden

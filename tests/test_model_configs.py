@@ -104,7 +104,7 @@ def test_qwen25_72b_is_the_recipe_model():
 
 @pytest.fixture(scope="module")
 def one_rank():
-    from models.checkpoint import single_process_groups
+    from models.torch_dist_io import single_process_groups
 
     import adapter  # noqa: F401
 
@@ -172,8 +172,8 @@ def test_overrides_apply_and_unknown_settings_are_refused():
 @pytest.mark.parametrize("tp, pp, vpp, message", [
     (3, 1, None, "tensor parallel size 3 does not divide num_attention_heads=64"),
     (16, 1, None, "tensor parallel size 16 does not divide num_query_groups=8"),
-    (1, 3, None, "80 layers cannot be split evenly into 3 pipeline stages"),
-    (1, 4, 3, "80 layers cannot be split evenly into 4 pipeline stages x 3 virtual stages"),
+    (1, 3, None, r"80 layers cannot be split evenly over pipeline \(3\) x virtual pipeline \(1\) = 3 stages"),
+    (1, 4, 3, r"80 layers cannot be split evenly over pipeline \(4\) x virtual pipeline \(3\) = 12 stages"),
 ])
 def test_layouts_megatron_would_fail_on_are_refused_by_name(tp, pp, vpp, message):
     with pytest.raises(ModelConfigError, match=message):

@@ -75,6 +75,7 @@ def test_the_all_to_all_dispatchers_host_copy_stream_is_the_cpus_one_stream():
     event = stream.record_event()
     event.synchronize()
     assert event.query()
+    assert stream.device == cuda.current_stream().device == torch.device("cpu")  # Megatron-FSDP asks it
 
 
 def _gather_of_two_ranks(rank: int, pieces: list):
@@ -99,7 +100,8 @@ def test_unequal_pieces_gather_through_equal_ones(rank):
     gather over TP): every rank's piece, at its own length, in rank order."""
     from megatron.core.tensor_parallel import mappings  # noqa: F401 - the patch applies on import
 
-    moe = adapter.import_own("patches.moe")
+    from patches import moe
+
     assert registry.status("megatron.core.tensor_parallel.mappings:_gather_along_first_dim") == "applied"
     pieces = [torch.arange(6.0).reshape(3, 2), torch.arange(10.0, 20.0).reshape(5, 2)]
     gather = moe._gather_unequal_pieces_padded(_gather_of_two_ranks(rank, pieces))

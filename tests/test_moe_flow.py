@@ -28,7 +28,8 @@ BARE_MOE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 # (arguments, world size, the message's start)
 REFUSED = [
     ([*MOE, "--expert-model-parallel-size", "3"], 3, "expert parallel size 3 does not divide num_experts=8"),
-    ([*MOE, "--expert-model-parallel-size", "4"], 2, "world size 2 is not divisible by expert TP 1 x EP 4 x PP 1 = 4"),
+    ([*MOE, "--expert-model-parallel-size", "4"], 2,
+     "world size 2 is not divisible by expert tensor (1) x expert (4) x pipeline (1) parallel = 4"),
     ([*MOE, "--expert-model-parallel-size", "0"], 2, "--expert-model-parallel-size 0: must be positive"),
     ([*MOE, "--expert-tensor-parallel-size", "3"], 3,
      "expert tensor parallel size 3 does not divide expert_ffn_hidden_size=64"),
@@ -98,7 +99,7 @@ def test_moe_layer_freq_evaluates_nothing_but_lists_of_ints(text):
 
 @pytest.fixture(scope="module")
 def one_rank():
-    from models.checkpoint import single_process_groups
+    from models.torch_dist_io import single_process_groups
 
     import adapter  # noqa: F401
 

@@ -6,7 +6,7 @@ import pytest
 
 import adapter
 from adapter import parallel
-from adapter.parallel import ParallelConfigError, check_sizes
+from adapter.parallel import ModelShape, ParallelConfigError, check_sizes
 from tests.distributed import run_ranks
 
 
@@ -15,7 +15,9 @@ def test_valid_layouts_return_the_data_parallel_size():
     assert check_sizes(8, tp=2, pp=2) == 2
     assert check_sizes(16, tp=2, pp=4) == 2
     assert check_sizes(8, tp=2, cp=2, ep=2) == 2
-    assert check_sizes(8, tp=2, pp=2, vpp=2, num_attention_heads=8, num_query_groups=2, num_layers=8) == 2
+    assert check_sizes(8, tp=2, pp=2, vpp=2, model=ModelShape(num_attention_heads=8, num_query_groups=2,
+                                                              num_layers=8)) == 2
+    assert check_sizes(None, tp=2, model=ModelShape(num_attention_heads=8)) is None  # the model alone
     assert check_sizes(1) == 1
 
 
@@ -38,17 +40,66 @@ def test_expert_sizes_not_dividing():
         check_sizes(8, tp=1, ep=4, etp=4)
 
 
+def test_gtp_remat_axes_take_ranks_of_their_own():
+    """megatron-core 0.19's gtp_remat_size counts toward the model size (world = TP*GTP*CP*PP*DP) and
+    expert_gtp_remat_size toward the expert grid, as its parallel_state.initialize_model_parallel says."""
+    assert check_sizes(8, tp=2, gtp=2) == 2
+    with pytest.raises(ParallelConfigError, match=r"world size 8 is not divisible by tensor \(2\) x pipeline "
+                                                  r"\(1\) x context \(1\) x gtp_remat \(3\) parallel = 6"):
+        check_sizes(8, tp=2, gtp=3)
+    with pytest.raises(ParallelConfigError, match=r"expert gtp_remat \(3\) parallel = 6\. .*"
+                                                  r"expert_gtp_remat_size"):
+        check_sizes(8, ep=2, egtp=3)
+    with pytest.raises(ParallelConfigError, match=r"gtp_remat_size=0: parallel sizes are whole numbers"):
+        check_sizes(8, gtp=0)
+
+
+def test_the_wrapper_reads_every_size_however_it_is_passed(monkeypatch):
+    """Sizes passed positionally, by keyword, or only as 0.19's new arguments all reach the check, over
+    the wrapped release's own signature; nothing reaches megatron when one is wrong."""
+    import torch
+
+    calls = []
+
+    def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                  virtual_pipeline_model_parallel_size=None, use_sharp=False,
+                                  context_parallel_size=1, expert_model_parallel_size=1,
+                                  gtp_remat_size=1, expert_gtp_remat_size=1,
+                                  expert_tensor_parallel_size=None, local_world_size=None):
+        calls.append(context_parallel_size)
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 8)
+    checked = parallel.checked_initialize_model_parallel(initialize_model_parallel)
+    checked(2, 1, None, False, 4)  # context parallel 4, positionally: 2 x 4 divides 8
+    with pytest.raises(ParallelConfigError, match=r"context \(3\) parallel = 6"):
+        checked(2, 1, None, False, 3)
+    with pytest.raises(ParallelConfigError, match=r"gtp_remat \(4\) parallel = 8\. Launch a multiple of 8"):
+        checked(tensor_model_parallel_size=2, gtp_remat_size=4, local_world_size=4)
+    with pytest.raises(ParallelConfigError, match=r"expert gtp_remat \(3\)"):
+        checked(expert_gtp_remat_size=3)
+    assert calls == [4]
+
+
 @pytest.mark.parametrize("world, sizes, message", [
     (4, dict(tp=2, vpp=2), r"virtual pipeline size 2 needs pipeline_model_parallel_size > 1 \(got 1\)\. "
                            r"Drop the virtual pipeline size or use a pipeline"),
-    (8, dict(tp=8, num_attention_heads=4), r"tensor parallel size 8 does not divide the 4 attention "
-                                           r"heads\. Use a tensor parallel size that divides 4"),
-    (8, dict(tp=4, num_attention_heads=6), r"tensor parallel size 4 does not divide the 6 attention "
-                                           r"heads\. Use a tensor parallel size that divides 6"),
-    (8, dict(tp=4, num_attention_heads=8, num_query_groups=2),
-     r"tensor parallel size 4 does not divide the 2 query groups \(GQA\)\. "
-     r"Use a tensor parallel size that divides 2"),
-], ids=["vpp-without-pipeline", "tp-above-heads", "tp-not-dividing-heads", "tp-not-dividing-groups"])
+    (8, dict(tp=8, model=ModelShape(num_attention_heads=4)),
+     r"tensor parallel size 8 does not divide num_attention_heads=4: use a tensor parallel size that divides 4"),
+    (8, dict(tp=4, model=ModelShape(num_attention_heads=6)),
+     r"tensor parallel size 4 does not divide num_attention_heads=6: use a tensor parallel size that divides 6"),
+    (8, dict(tp=4, model=ModelShape(num_attention_heads=8, num_query_groups=2)),
+     r"tensor parallel size 4 does not divide num_query_groups=2: use a tensor parallel size that divides 2"),
+    (8, dict(ep=4, model=ModelShape(num_experts=6)),
+     r"expert parallel size 4 does not divide num_experts=6: use an expert parallel size that divides 6"),
+    (8, dict(tp=2, etp=4, model=ModelShape(num_experts=8, expert_ffn_hidden_size=6)),
+     r"expert tensor parallel size 4 does not divide expert_ffn_hidden_size=6"),
+    (8, dict(ep=2, model=ModelShape(num_attention_heads=8)),
+     r"expert parallel size 2 for a dense model: set num_experts, or use 1"),
+    (8, dict(cp=4, model=ModelShape(seq_length=36)),
+     r"seq_length=36 is not divisible by 2 x context parallel size 4 = 8 \(megatron's load-balanced split"),
+], ids=["vpp-without-pipeline", "tp-above-heads", "tp-not-dividing-heads", "tp-not-dividing-groups",
+        "ep-not-dividing-experts", "etp-not-dividing-expert-ffn", "ep-for-a-dense-model", "cp-not-dividing-seq"])
 def test_refused_layouts_name_the_value_and_the_fix(world, sizes, message):
     with pytest.raises(ParallelConfigError, match=message):
         check_sizes(world, **sizes)
@@ -57,10 +108,10 @@ def test_refused_layouts_name_the_value_and_the_fix(world, sizes, message):
 def test_layers_not_divisible_by_pipeline_stages():
     with pytest.raises(ParallelConfigError,
                        match=r"10 layers cannot be split evenly over pipeline \(2\) x virtual pipeline "
-                             r"\(2\) = 4 stages\. Choose sizes whose product divides 10"):
-        check_sizes(4, pp=2, vpp=2, num_layers=10)
+                             r"\(2\) = 4 stages: choose sizes whose product divides 10"):
+        check_sizes(4, pp=2, vpp=2, model=ModelShape(num_layers=10))
     with pytest.raises(ParallelConfigError, match=r"7 layers .* pipeline \(2\) x virtual pipeline \(1\) = 2"):
-        check_sizes(4, pp=2, num_layers=7)
+        check_sizes(4, pp=2, model=ModelShape(num_layers=7))
 
 
 @pytest.mark.parametrize("kwargs, name, shown", [

@@ -498,7 +498,7 @@ REAL_SCRIPT = textwrap.dedent('''
 
     TORCH_CUDA = torch.cuda
     CURRENT_DEVICE = torch.cuda.current_device
-    ROUTE = "megatron:*"  # the rule that routes every megatron module (adapter.cuda_scope)
+    ROUTE = "megatron:*"  # the rule that routes every megatron module (adapter.cuda_routing)
     SCALE = "megatron.core.utils:local_multi_tensor_scale"
 
     if sys.argv[1] == "adapter-first":

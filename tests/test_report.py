@@ -72,6 +72,31 @@ def test_text_report_has_each_section_and_exits_zero():
         assert patch.target in out
 
 
+def _release_stand_in(root, version: str) -> str:
+    """A directory whose megatron-core metadata says ``version``: first on PYTHONPATH, it is the release
+    importlib.metadata (and so the adapter) reads, while megatron itself still imports from site-packages."""
+    info = root / f"megatron_core-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: megatron-core\nVersion: {version}\n")
+    return str(root)
+
+
+@pytest.mark.parametrize("refusal", ["backend", "release"])
+def test_an_unusable_environment_is_one_line_and_exit_1(refusal, tmp_path):
+    """The report is what a user runs to see what is wrong: an unusable ADAPTER_BACKEND or a megatron-core
+    outside the supported range is the refusal's one line, not a traceback from the package's import."""
+    if refusal == "backend":
+        done = _run_cli(backend="tpu")
+        expected = "python -m adapter: ADAPTER_BACKEND='tpu' is not a backend. Use one of cpu, cuda, npu"
+    else:
+        done = _run_cli(pythonpath=_release_stand_in(tmp_path, "0.20.0"))
+        expected = ("python -m adapter: megatron-core 0.20.0 is installed; the adapter supports "
+                    "megatron-core>=0.16.1,<=0.19.2")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stdout == ""
+    assert done.stderr.startswith(expected) and done.stderr.count("\n") == 1, done.stderr[-3000:]
+
+
 def test_without_megatron_lm_its_patches_are_skipped_with_why_and_nothing_is_a_problem():
     """A pip install: megatron.legacy's patches wait for a checkout; megatron.training's too on 0.16, while
     0.17+ wheels ship megatron.training, so its patches apply, and the report says it is the wheel's."""

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import adapter
-from adapter import cuda_scope
+from adapter import cuda_routing
 
 USER_CODE = textwrap.dedent('''
     import torch
@@ -31,7 +31,10 @@ USER_CODE = textwrap.dedent('''
         return {"model": next(model.parameters()).device.type, "to": moved.device.type,
                 "cuda": copied.device.type, "factory": made.device.type, "is_cuda": copied.is_cuda,
                 "device": torch.device("cuda").type, "count": device_count(), "current": current_device(),
-                "type": copied.type(), "rng": torch.cuda.get_rng_state().dtype == torch.uint8}
+                "type": copied.type(), "rng": torch.cuda.get_rng_state().dtype == torch.uint8,
+                "indexed": torch.device("cuda", torch.cuda.current_device()).type,
+                "formatted": torch.device(f"cuda:{torch.cuda.current_device()}").type,
+                "emptied": torch.cuda.memory.empty_cache()}
 
     def join(store):
         dist.init_process_group(backend="nccl", store=store, rank=0, world_size=1)
@@ -110,7 +113,8 @@ def user_packages(tmp_path, monkeypatch):
 # current_device() is a device off an accelerator: megatron passes it as device=, and an int would
 # name a CUDA device
 EXPECTED = {"model": "cpu", "to": "cpu", "cuda": "cpu", "factory": "cpu", "is_cuda": True, "device": "cpu",
-            "count": 1, "current": torch.device("cpu"), "type": "torch.cuda.FloatTensor", "rng": True}
+            "count": 1, "current": torch.device("cpu"), "type": "torch.cuda.FloatTensor", "rng": True,
+            "indexed": "cpu", "formatted": "cpu", "emptied": None}
 
 
 def _cuda_as_written(call):
@@ -137,7 +141,7 @@ def test_a_routed_package_runs_its_cuda_spellings_on_this_device(user_packages, 
     train = _route_and_import("train", order)
     assert train.place() == EXPECTED
     assert train.join(dist.HashStore()) == "gloo"
-    assert cuda_scope.routed_packages()["userpkg"] == "user"
+    assert cuda_routing.routed_packages()["userpkg"] == "user"
     if order == "route-then-import":
         assert train.SEEN_AT_IMPORT == 1  # the import-time check saw the device layer (torch.cuda says 0)
 
@@ -178,7 +182,7 @@ def test_unroute_gives_the_package_back_its_torch(user_packages):
     train = importlib.import_module("userpkg.train")
     adapter.unroute_cuda("userpkg")
     assert train.torch is torch and train.current_device is torch.cuda.current_device
-    assert "userpkg" not in cuda_scope.routed_packages()
+    assert "userpkg" not in cuda_routing.routed_packages()
     _cuda_as_written(train.place)
 
 
@@ -199,7 +203,7 @@ def test_cuda_calls_routes_a_scripts_own_block():
 def test_what_cannot_be_routed_is_refused_by_name(name, says):
     with pytest.raises(ValueError, match=f"{name!r}.*{says}" if name else says):
         adapter.route_cuda(name)
-    assert name not in cuda_scope.routed_packages()
+    assert name not in cuda_routing.routed_packages()
 
 
 def test_a_backend_name_handed_on_by_a_routed_module_is_mapped(user_packages):
@@ -259,10 +263,10 @@ def test_a_megatron_module_added_by_a_later_release_is_routed_too(tmp_path, monk
         added = importlib.import_module(name)
         assert added.place() == EXPECTED
         assert added.SEEN_AT_IMPORT == 1
-        assert cuda_scope.is_routed(name)
+        assert cuda_routing.is_routed(name)
     finally:
         sys.modules.pop(name, None)
-        cuda_scope._ROUTED.pop(name, None)
+        cuda_routing._ROUTED.pop(name, None)
 
 
 EVENT_CODE = textwrap.dedent('''
@@ -310,5 +314,5 @@ def test_megatron_modules_annotating_with_cuda_events_import_under_routing():
     if importlib.util.find_spec(experimental.rpartition(".")[0]) is None:
         pytest.skip(f"megatron-core {megatron.core.__version__} has no {experimental}")
     module = importlib.import_module(experimental)
-    assert cuda_scope.is_routed(experimental)
+    assert cuda_routing.is_routed(experimental)
     assert module.FsdpModule.__annotations__["_unshard_event"] == (adapter.device.Event | None)

@@ -390,13 +390,14 @@ def test_parameters_decide_a_skip(params, need, monkeypatch):
     ("spec = get_gpt_layer_with_transformer_engine_spec()", "Transformer Engine"),
     ("layer = TELayerNormColumnParallelLinear", "Transformer Engine"),
     ("config = dict(fp8='hybrid')", "FP8"), ("config = dict(cuda_graph_impl='local')", "CUDA graphs"),
+    ("out = dsa_cudnn_kernels.run_fused_absorbed_sparse_attention(query)", "cuDNN frontend"),
     ("TEST = dict(fp8=None, cuda_graph_impl='none')", None)])
 def test_source_rules_name_what_the_code_asks_for(tmp_path, body, need):
     reason = rules.cuda_only_need(_item(f"def test_x():\n    {body}\n", directory=tmp_path))
     assert (reason or "").startswith(need or "") and (reason is None) == (need is None)
 
 
-def test_runtime_errors_that_only_miss_a_cuda_library_are_named():
+def test_runtime_errors_that_only_miss_a_cuda_library_are_named(monkeypatch):
     assert rules.missing_library("ModuleNotFoundError: No module named 'transformer_engine'").startswith(
         "Transformer Engine")
     assert rules.missing_library("TypeError: '>=' not supported between instances of 'NoneType' and 'Version'")
@@ -405,11 +406,20 @@ def test_runtime_errors_that_only_miss_a_cuda_library_are_named():
     assert rules.missing_library("AssertionError: Grouped GEMM is not available. Please run `pip install "
                                  "git+https://github.com/fanshiqing/grouped_gemm@v1.1.4`.").startswith("grouped_gemm")
     assert rules.missing_library("RuntimeError: Torch not compiled with CUDA enabled") is None
+    # megatron-core 0.19 binds TESpecProvider to None without TE; a helper in another file builds a TE spec
+    te_spec = ("gpt_layer_specs.py:233: in get_gpt_layer_with_transformer_engine_submodules\n"
+               "    backend = TESpecProvider()\n              ^^^^^^^^^^^^^^^^\n"
+               "E   TypeError: 'NoneType' object is not callable")
+    assert rules.missing_library(te_spec).startswith("Transformer Engine")
+    assert rules.missing_library("E   TypeError: 'NoneType' object is not callable") is None
+    assert rules.missing_library("RuntimeError: cudnn fused DSA requires SM90+ (Hopper or later), got SM00."
+                                 ).startswith("cuDNN frontend")
     assert rules.missing_library("AttributeError: megatron asked torch.cuda.nccl, which the adapter does not "
                                  "provide on the cpu backend.").startswith("NCCL")
     # plain PyTorch, only not installable on Python 3.11: not a CUDA-only skip, but one of its own
     assert rules.missing_library("ModuleNotFoundError: No module named 'emerging_optimizers'") is None
     muon = "AssertionError: Emerging Optimizers is not installed."
+    monkeypatch.setattr(rules, "_installed", lambda module: False)  # as on Python 3.11 (the extra installs it on 3.12)
     assert rules.not_installable_library(muon, python=(3, 11)) == "emerging_optimizers needs Python >= 3.12"
     assert rules.not_installable_library(muon, python=(3, 12)) is None  # installable there: a real failure
     assert rules.not_installable_library("AssertionError: assert 1 == 2", python=(3, 11)) is None

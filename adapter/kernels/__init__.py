@@ -11,8 +11,9 @@ argument building runs on CPU tensors against the torch_npu double in the tests.
 - ``cuda``: what is installed (Transformer Engine, apex, flash-attn), else PyTorch's fused
   scaled_dot_product_attention.
 
-Each provider is a module with the same names (``PROVIDER_API``); ``patches/kernels.py`` and the layer
-specs bind them directly, so a forward pass calls the chosen kernel with no dispatch in between.
+Each provider is a module with the same names (``PROVIDER_API``): it defines what it supplies, and the base
+(``adapter.kernels.provider``) adds the defaults for the rest. ``patches/kernels.py`` and the layer specs bind
+them directly, so a forward pass calls the chosen kernel with no dispatch in between.
 """
 
 from __future__ import annotations
@@ -23,16 +24,11 @@ import os
 from types import ModuleType
 
 from adapter import backend as _backend
+from adapter.kernels.provider import PROVIDER_API  # noqa: F401 - what every provider module defines
 
 KERNELS_ENV = "ADAPTER_KERNELS"
 PROVIDERS = ("npu", "cuda", "torch")
 DEFAULT_FOR_BACKEND = {"npu": "npu", "cuda": "cuda", "cpu": "torch"}
-
-# What every provider module defines (None: megatron's own implementation stays). Provider modules do
-# not import megatron, so choosing one at ``import adapter`` keeps megatron unimported.
-PROVIDER_API = ("NAME", "Norm", "installed_norm", "installed_core_attention", "attention", "rms_norm", "layer_norm",
-                "bias_swiglu", "rope", "rope_thd", "softmax_fusable", "scaled_masked_softmax",
-                "vocab_parallel_cross_entropy", "grouped_mm", "installed_grouped_linear", "moe_permute")
 
 
 class KernelProviderUnavailable(RuntimeError):
@@ -45,7 +41,8 @@ class UnsupportedKernelSetting(ValueError):
 
 def select_provider(requested: str | None = None) -> ModuleType:
     """Resolve ``requested`` (or ``$ADAPTER_KERNELS``; empty means: follow the backend) to a provider
-    module. Importing the npu provider needs a module named ``torch_npu``, not an NPU."""
+    module. Importing the npu provider needs a module named ``torch_npu``, not an NPU. Provider modules do
+    not import megatron, so choosing one at ``import adapter`` keeps megatron unimported."""
     if requested is None:
         requested = os.environ.get(KERNELS_ENV, "")
     name = requested.strip().lower() or DEFAULT_FOR_BACKEND[_backend.current().name]

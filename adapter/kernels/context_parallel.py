@@ -14,7 +14,7 @@ schemes its ``cp_comm_type`` names, over any kernel provider:
   block travelling with its gradient, which is home after CP steps: activations stay O(S / CP) per rank.
   The blocks run through the provider's ``attention_with_lse`` / ``attention_grad_from_lse`` (each
   step's backward fed what that step's forward kernel saved), and merge through its ``merge_with_lse``
-  where it has one.
+  (``merge_with_lse`` below unless the provider has its own).
 - ``a2a``, Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses"): an all-to-all trades the sequence split for a
   head split, each rank attends its heads over the whole sequence with the provider's plain ``attention``,
   and an all-to-all trades back. Query and key/value head counts (per TP rank) must divide by CP.
@@ -76,7 +76,8 @@ def _block(src: int, rank: int, keys: int) -> tuple[slice, slice, bool]:
 
 def merge_with_lse(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
     """Two partial attentions of the same rows over disjoint keys as one: (out, lse) of them together. The
-    default merge; a provider may have its own (the npu provider's npu_ring_attention_update)."""
+    providers' default merge (adapter.kernels.provider); a provider may have its own (the npu provider's
+    npu_ring_attention_update)."""
     new_lse = torch.logaddexp(lse, block_lse)
     return (out * torch.exp(lse - new_lse).unsqueeze(-1)
             + block_out.to(out.dtype) * torch.exp(block_lse - new_lse).unsqueeze(-1)), new_lse
@@ -90,7 +91,7 @@ class RingAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], -torch.inf, dtype=torch.float32, device=q.device)
-        kv, merge = torch.stack([k, v]), getattr(kernels, "merge_with_lse", merge_with_lse)
+        kv, merge = torch.stack([k, v]), kernels.merge_with_lse
         ctx.saved_by_step = []  # what each step's kernel keeps for its backward (tiny: lengths, RNG state)
         for step in range(cp):
             pending = _shift(kv, group) if step < cp - 1 else None

@@ -25,7 +25,7 @@ import torch
 
 from adapter import backend as _backend
 from adapter.kernels import KernelProviderUnavailable, UnsupportedKernelSetting, cross_entropy, torch_provider
-from adapter.kernels.norm import FusedNorm
+from adapter.kernels.provider import complete
 
 NAME = "cuda"
 
@@ -248,13 +248,6 @@ layer_norm = torch_provider.layer_norm
 bias_swiglu = None if HAVE_TE else _swiglu
 rope = None if HAVE_TE else _rope
 rope_thd = None if HAVE_TE else torch_provider.rope_thd
-scaled_masked_softmax = None
 vocab_parallel_cross_entropy = None if HAVE_TE else cross_entropy.vocab_parallel_cross_entropy
 
-
-class CudaNorm(FusedNorm):
-    rms_norm = staticmethod(rms_norm)
-    layer_norm = staticmethod(layer_norm)
-
-
-Norm = CudaNorm
+complete(globals())  # the base's defaults for the rest, and the norm class CudaNorm

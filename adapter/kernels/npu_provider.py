@@ -17,7 +17,7 @@ import torch_npu
 
 from adapter.kernels import UnsupportedKernelSetting, cross_entropy, torch_provider
 from adapter.kernels import npu_moe_permute as moe_permute  # noqa: F401 - the provider's moe_permute
-from adapter.kernels.norm import FusedNorm
+from adapter.kernels.provider import complete
 
 NAME = "npu"
 
@@ -278,21 +278,4 @@ def grouped_mm(x, weight, tokens_per_expert):
     return _GroupedMatmul.apply(x.contiguous(), _group_ends(tokens_per_expert, x.device), weight)
 
 
-def installed_core_attention():
-    return None
-
-
-def installed_grouped_linear():
-    return None
-
-
-def installed_norm():
-    return None
-
-
-class NpuNorm(FusedNorm):
-    rms_norm = staticmethod(rms_norm)
-    layer_norm = staticmethod(layer_norm)
-
-
-Norm = NpuNorm
+complete(globals())  # the base's defaults for the rest, and the norm class NpuNorm

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from adapter import backend as _backend
 from adapter.kernels import UnsupportedKernelSetting, cross_entropy
 from adapter.kernels import moe_permute as _moe_permute
-from adapter.kernels.norm import FusedNorm
+from adapter.kernels.provider import complete
 
 NAME = "torch"
 
@@ -294,8 +294,7 @@ def softmax_fusable(self, mask, b, np, sq, sk) -> bool:
     return False
 
 
-bias_swiglu = None  # megatron's own (torch.jit) SwiGLU is this provider's
-scaled_masked_softmax = None
+# SwiGLU and the scaled masked softmax stay megatron's own (its torch.jit SwiGLU, its torch softmax)
 vocab_parallel_cross_entropy = cross_entropy.vocab_parallel_cross_entropy
 
 
@@ -356,22 +355,4 @@ grouped_mm = looped_grouped_mm
 # moe_permute_fusion: TE's interface over torch index ops (tokens in megatron's unfused order)
 moe_permute = _moe_permute
 
-
-def installed_core_attention():
-    return None
-
-
-def installed_grouped_linear():
-    return None
-
-
-def installed_norm():
-    return None
-
-
-class TorchNorm(FusedNorm):
-    rms_norm = staticmethod(rms_norm)
-    layer_norm = staticmethod(layer_norm)
-
-
-Norm = TorchNorm
+complete(globals())  # the base's defaults for the rest, and the norm class TorchNorm

@@ -15,7 +15,9 @@ import os
 import sys
 from typing import NoReturn
 
-from adapter.own_packages import import_own
+import models
+from adapter.parallel import ModelShape, ParallelConfigError, check_sizes
+from models import checkpoint_dir
 
 
 class ArgumentError(ValueError):
@@ -364,19 +366,9 @@ def _check_sizes(args: argparse.Namespace) -> None:
 
 
 def _check_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    model_parallel = tp * pp * cp
-    _require(world_size % model_parallel == 0,
-             f"world size {world_size} is not divisible by TP {tp} x PP {pp} x CP {cp} = {model_parallel}: "
-             "launch a multiple of that many processes or change the parallel sizes")
-    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
-    _require(world_size % (etp * ep * pp) == 0,
-             f"world size {world_size} is not divisible by expert TP {etp} x EP {ep} x PP {pp} = {etp * ep * pp} "
-             "(megatron lays the experts out over ETP x EP x expert-DP in each pipeline stage): launch a multiple "
-             "of that many processes or change --expert-model-parallel-size / --expert-tensor-parallel-size")
+    args.data_parallel_size = _layout(args, world_size)
     args.world_size = world_size
-    args.data_parallel_size = world_size // model_parallel
-    if args.sequence_parallel and tp == 1:
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # as Megatron-LM: nothing to split over
     _require(args.distributed_backend is None or _backend_matches(args.distributed_backend),
              f"--distributed-backend {args.distributed_backend} does not match the adapter's backend "
@@ -391,7 +383,7 @@ def _check_model(args: argparse.Namespace) -> None:
     if args.use_rotary_position_embeddings and args.position_embedding_type is None:
         args.position_embedding_type = "rope"
     _require(args.model is not None or args.num_layers is not None,
-             "no model: pass --model NAME (one of " + ", ".join(_models().names()) + ") or the architecture "
+             "no model: pass --model NAME (one of " + ", ".join(models.names()) + ") or the architecture "
              "arguments (--num-layers, --hidden-size, --num-attention-heads, ...)")
     _require(args.seq_length is not None or args.model is not None, "--seq-length is required")
     named = _named_model(args)
@@ -405,8 +397,8 @@ def _named_model(args: argparse.Namespace):
     if args.model is None:
         return None
     try:
-        return _models().get(args.model)
-    except _models().ModelConfigError as exc:
+        return models.get(args.model)
+    except models.ModelConfigError as exc:
         raise ArgumentError(f"--model {args.model}: {exc}") from exc
 
 
@@ -424,24 +416,32 @@ def _set_model_config(args: argparse.Namespace, tokenizer_vocab: int) -> None:
     else:
         args.padded_vocab_size = -(-tokenizer_vocab // _vocab_multiple(args)) * _vocab_multiple(args)
     try:
-        args.model_config = import_own("models.provider").config_from_args(args)
-    except _models().ModelConfigError as exc:
+        from models.provider import config_from_args  # imports megatron: only once arguments are parsed
+
+        args.model_config = config_from_args(args)
+    except models.ModelConfigError as exc:
         raise ArgumentError(str(exc)) from exc
     args.seq_length = args.model_config.seq_length
 
 
 def fit_vocab(args: argparse.Namespace, tokenizer_vocab: int) -> None:
-    """Size the embedding for the built tokenizer: a named model's rows must hold it; otherwise the
-    tokenizer's vocabulary padded to --make-vocab-size-divisible-by x TP, as Megatron-LM does."""
-    _set_model_config(args, tokenizer_vocab)
-    _check_layout(args)
+    """Size the embedding for the built tokenizer, the one thing ``validate_args`` could not know: a named
+    model's rows must hold it; otherwise the tokenizer's vocabulary padded to --make-vocab-size-divisible-by
+    x TP, as Megatron-LM does (a multiple of TP: the layout rules that ran in ``validate_args`` still hold)."""
+    if args.model is not None:
+        _require(tokenizer_vocab <= args.model_config.vocab_size,
+                 f"the tokenizer has {tokenizer_vocab} entries, more than the {args.model_config.vocab_size} "
+                 f"embedding rows of {args.model}: use the model's tokenizer or override --vocab-size")
+        return
+    args.padded_vocab_size = -(-tokenizer_vocab // _vocab_multiple(args)) * _vocab_multiple(args)
+    args.model_config = args.model_config.replace(vocab_size=args.padded_vocab_size)
 
 
 def _check_context_parallel(args: argparse.Namespace) -> None:
     """What the adapter's CP attention and megatron's load-balanced split need, refused here rather than
     as an assertion inside the first forward: a communication type the attention has, heads that Ulysses
-    can spread over the CP ranks, a sequence that cuts into 2 x CP equal chunks (rank r holds chunks r and
-    2CP-1-r), no attention dropout and no document masks (the CP attention is causal over the whole
+    can spread over the CP ranks (the sequence's 2 x CP chunks are a layout rule, checked with the others),
+    no attention dropout and no document masks (the CP attention is causal over the whole
     sequence, without dropout). Sets ``args.cp_comm_type`` to the one type as a string, the form megatron's
     layers read (a per-layer list there is indexed by layer number, one off)."""
     types = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
@@ -459,9 +459,6 @@ def _check_context_parallel(args: argparse.Namespace) -> None:
     _require(args.cp_comm_type != "a2a" or (heads % cp == 0 and groups % cp == 0),
              f"--cp-comm-type a2a spreads each TP rank's {heads} attention heads and {groups} query groups over "
              f"CP {cp}, which does not divide them: use --cp-comm-type p2p or a CP size dividing both")
-    _require(args.seq_length % (2 * cp) == 0,
-             f"--seq-length {args.seq_length} is not divisible by 2 x CP {cp} = {2 * cp} (megatron's load-balanced "
-             "split cuts the sequence into 2 x CP chunks): change --seq-length or --context-parallel-size")
     per_rank = args.seq_length // cp
     _require(not args.sequence_parallel or per_rank % tp == 0,
              f"sequence parallelism splits each CP rank's {per_rank} tokens over TP {tp}, which does not divide "
@@ -548,12 +545,19 @@ def _check_virtual_pipeline(args: argparse.Namespace) -> None:
 
 
 def _check_layout(args: argparse.Namespace) -> None:
+    """The layout against the model (heads, groups, widths, layers, experts, sequence)."""
+    _layout(args, None, args.model_config.shape())
+
+
+def _layout(args: argparse.Namespace, world_size: int | None, model: ModelShape | None = None) -> int | None:
+    """``adapter.parallel.check_sizes``, the one home of the layout rules, over these arguments."""
+    vpp = args.virtual_pipeline_model_parallel_size if model is not None else None  # settled by then
     try:
-        args.model_config.check_layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                       args.virtual_pipeline_model_parallel_size, args.expert_model_parallel_size,
-                                       args.expert_tensor_parallel_size)
-    except _models().ModelConfigError as exc:
-        raise ArgumentError(str(exc)) from exc
+        return check_sizes(world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                           vpp=vpp, cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
+                           etp=args.expert_tensor_parallel_size, model=model)
+    except ParallelConfigError as exc:
+        raise ArgumentError(str(exc)) from None
 
 
 def _check_batches(args: argparse.Namespace) -> None:
@@ -618,19 +622,14 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
     if args.save_interval is not None:
         _require(args.save is not None, "--save-interval needs --save (the directory)")
     if args.load:
-        checkpoints = import_own("models.checkpoint")
         try:
-            checkpoints.checkpoint_to_load(args.load, recoverable=_same_dir(args.load, args.save))
-        except checkpoints.CheckpointError as exc:
+            checkpoint_dir.checkpoint_to_load(args.load, recoverable=_same_dir(args.load, args.save))
+        except checkpoint_dir.CheckpointError as exc:
             raise ArgumentError(f"--load {args.load}: {exc}") from exc
 
 
 def _same_dir(a: str | None, b: str | None) -> bool:
     return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
-
-
-def _models():
-    return import_own("models")
 
 
 def _backend_name() -> str:

@@ -34,11 +34,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
 from adapter import device
-from adapter.own_packages import import_own
 from adapter.training.arguments import ArgumentError
 from adapter.training.shared_outcome import shared_outcome
+from models import checkpoint_dir
 
-mcore_checkpoint = import_own("models.checkpoint")
 # Megatron-LM's sharded-state metadata: with it a MoE model's two optimizers (dense and expert parameters)
 # save each state under its parameter's key alone, not under its place in the chain, as Megatron-LM does.
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
@@ -72,7 +71,7 @@ def _set_rng_state(states: list) -> None:
 
 def _sharded_state(args, model: list, optimizer, scheduler, iteration: int, consumed: dict,
                    is_loading: bool = False, with_optimizer: bool = True, with_rng: bool = True) -> dict:
-    state = {"iteration": iteration, "checkpoint_version": mcore_checkpoint.CHECKPOINT_VERSION,
+    state = {"iteration": iteration, "checkpoint_version": checkpoint_dir.CHECKPOINT_VERSION,
              "consumed_train_samples": consumed["train"], "consumed_valid_samples": consumed["valid"],
              "layout": _layout(args)}
     chunks = [chunk.module if hasattr(chunk, "module") else chunk for chunk in model]
@@ -112,8 +111,8 @@ def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, con
     """Write ``<save>/iter_<iteration>`` on every rank, then publish it; returns its path. Any rank's
     failure stops every rank with that error (``shared_outcome``), leaving the published checkpoints as
     they were."""
-    final = Path(args.save) / mcore_checkpoint.checkpoint_name(iteration)
-    partial, rank = mcore_checkpoint.aside(final, mcore_checkpoint.PARTIAL), torch.distributed.get_rank()
+    final = Path(args.save) / checkpoint_dir.checkpoint_name(iteration)
+    partial, rank = checkpoint_dir.aside(final, checkpoint_dir.PARTIAL), torch.distributed.get_rank()
     with shared_outcome(f"saving iteration {iteration} to {args.save}", _timeout(args)):
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
@@ -123,7 +122,7 @@ def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, con
                                with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng)
         dist_checkpointing.save(state, str(partial))  # ends once every rank's files are written
         if rank == 0:
-            mcore_checkpoint.publish(partial, iteration)
+            checkpoint_dir.publish(partial, iteration)
     return final
 
 
@@ -132,7 +131,7 @@ def recover_interrupted_save(args) -> None:
     is loaded from or saved there."""
     with shared_outcome(f"recovering {args.save}", _timeout(args)):
         if torch.distributed.get_rank() == 0 and Path(args.save).is_dir():
-            for line in mcore_checkpoint.recover_interrupted_save(args.save):
+            for line in checkpoint_dir.recover_interrupted_save(args.save):
                 print(f"{args.save}: {line}", flush=True)
 
 
@@ -192,13 +191,13 @@ def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]
     """Load ``args.load`` (the latest iteration, or a converted release) into model, optimizer and
     scheduler; returns the iteration to continue from and the consumed samples."""
     consumed = {"train": 0, "valid": 0}
-    checkpoint = mcore_checkpoint.checkpoint_to_load(args.load)
+    checkpoint = checkpoint_dir.checkpoint_to_load(args.load)
     if checkpoint is None:
         if torch.distributed.get_rank() == 0:
             print(f"no checkpoint in {args.load}: training from scratch", flush=True)
         return 0, consumed
-    common = mcore_checkpoint.read_common(checkpoint)
-    release = checkpoint.name == mcore_checkpoint.RELEASE
+    common = checkpoint_dir.read_common(checkpoint)
+    release = checkpoint.name == checkpoint_dir.RELEASE
     weights_only = release or args.finetune
     same_layout = _same_rng_layout(common.get("layout", {}), args)
     with_optimizer = not (weights_only or args.no_load_optim or "opt_param_scheduler" not in common)

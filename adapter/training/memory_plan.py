@@ -92,11 +92,10 @@ import os
 import sys
 import warnings
 
-from adapter.own_packages import import_own
+from adapter.parallel import ParallelConfigError, check_sizes
 from adapter.training.arguments import add_moe_model_arguments
+from models.config import ModelConfig, ModelConfigError
 
-_model_config = import_own("models.config")
-ModelConfig, ModelConfigError = _model_config.ModelConfig, _model_config.ModelConfigError
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -294,6 +293,17 @@ def _check(condition: bool, message: str) -> None:
         raise PlanError(message)
 
 
+def _check_layout(world: int, *, model: ModelConfig, seq_length: int | None = None, **sizes) -> int:
+    """``adapter.parallel.check_sizes``, the layout rules the flow and megatron's groups use; the model's
+    rules first (a TP or EP the model cannot take is the first thing to fix), then the world's. The plan's
+    ``seq_length`` is the one the context-parallel split cuts, where it differs from the model's."""
+    shape = model.shape() if seq_length is None else dataclasses.replace(model.shape(), seq_length=seq_length)
+    try:
+        return check_sizes(world, **sizes, model=shape)
+    except ParallelConfigError as exc:
+        raise PlanError(str(exc)) from None
+
+
 def _check_plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, dp: int, cp: int, ep: int, etp: int,
                 micro_batch_size: int, global_batch_size: int, seq_length: int, params_dtype: str,
                 sequence_parallel: bool, recompute: str | None, recompute_method: str,
@@ -306,14 +316,7 @@ def _check_plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, dp: in
     _check(params_dtype in DTYPE_BYTES, f"params_dtype={params_dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     _check(recompute in RECOMPUTE, f"recompute={recompute!r}: use selective, full or None")
     _check(recompute_method in ("uniform", "block"), f"recompute_method={recompute_method!r}: use uniform or block")
-    _check(vpp is None or pp > 1, f"{vpp} virtual pipeline stages need a pipeline: PP must be above 1")
-    model.check_layout(tp, pp, vpp, ep, etp)
-    _check((tp * dp * cp) % (etp * ep) == 0,
-           f"the {tp * dp * cp} devices of a pipeline stage (TP {tp} x DP {dp} x CP {cp}) are not divisible by "
-           f"expert TP {etp} x EP {ep} = {etp * ep}: change the expert parallel sizes or DP")
-    chunks = 2 * cp if cp > 1 else 1  # megatron's load-balanced split: chunks r and 2CP-1-r on CP rank r
-    _check(seq_length % chunks == 0, f"seq length {seq_length} is not divisible by 2 x CP {cp} = {chunks} (megatron's "
-                                     "load-balanced CP split): change one of them")
+    _check_layout(tp * pp * cp * dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, model=model, seq_length=seq_length)
     _check(not sequence_parallel or (seq_length // cp) % tp == 0,
            f"sequence parallelism splits the {seq_length // cp} tokens of a rank over TP {tp}, which does not "
            "divide them: change the seq length or TP")
@@ -446,13 +449,11 @@ def plan_from_args(argv: list[str]) -> tuple[MemoryPlan, str]:
         args.position_embedding_type = "rope"
     with warnings.catch_warnings():  # megatron's import warns about apex and TE, which a plan does not use
         warnings.simplefilter("ignore")
-        config_from_args = import_own("models.provider").config_from_args
+        from models.provider import config_from_args
     model = config_from_args(args)
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
     world = _world_size(args)
-    _check(min(tp, pp, cp, ep, etp, world) >= 1,
-           f"world size {world}, TP {tp}, PP {pp}, CP {cp}, EP {ep}, expert TP {etp}: all must be at least 1")
     vpp = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage, per_chunk = model.num_layers // pp, args.num_layers_per_virtual_pipeline_stage
@@ -460,15 +461,7 @@ def plan_from_args(argv: list[str]) -> tuple[MemoryPlan, str]:
                f"{model.num_layers} layers over PP {pp} cannot be cut into virtual stages of {per_chunk} layers: "
                "choose a --num-layers-per-virtual-pipeline-stage dividing num_layers / PP")
         vpp = per_stage // per_chunk
-    # before the world size: a TP or EP the model cannot take is the first thing to fix
-    model.check_layout(tp, pp, vpp, ep, etp)
-    _check(world % (tp * pp * cp) == 0,
-           f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp}: launch a "
-           "multiple of that many devices or change the parallel sizes")
-    _check(world % (etp * ep * pp) == 0,
-           f"world size {world} is not divisible by expert TP {etp} x EP {ep} x PP {pp} = {etp * ep * pp}: launch a "
-           "multiple of that many devices or change the expert parallel sizes")
-    dp = world // (tp * pp * cp)
+    dp = _check_layout(world, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, model=model)
     params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     result = plan(model, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, etp=etp, micro_batch_size=args.micro_batch_size,
                   global_batch_size=args.global_batch_size or args.micro_batch_size * dp,

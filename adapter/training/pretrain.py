@@ -164,7 +164,7 @@ def over_context_parallel(forward_step_func):
     tokens (--eod-mask-loss; earlier Megatron-LM pretrain_gpt.py all-reduced the [sum, count] pair over
     the CP group for the same reason, today's weighs each rank's mean alike). The report stays this rank's
     own pair, reduced over DP x CP where it is logged. A forward step's loss function therefore returns
-    local sums (scripts/pretrain_gpt.py's does); a two-value (mean) loss is megatron's to scale."""
+    local sums (adapter.training.gpt_step's does); a two-value (mean) loss is megatron's to scale."""
     if parallel_state.get_context_parallel_world_size() == 1:
         return forward_step_func
 

@@ -1,4 +1,4 @@
-"""CUDA spellings routed to this backend's device, for whole packages, by rule.
+"""CUDA routing, the mechanism: CUDA spellings routed to this backend's device, for whole packages, by rule.
 
 megatron spells CUDA in about 600 places across a hundred modules: ``torch.cuda.*`` calls, import-time
 checks such as ``(torch.FloatTensor, torch.cuda.FloatTensor)``, ``device="cuda"``, ``.cuda()``,
@@ -24,6 +24,9 @@ own packages through ``adapter.route_cuda``), and every module under it, now or 
 Nothing global changes: ``torch.cuda`` is the same object for every other module and library. Modules a
 routed package imported before routing began get the same, after the fact (``route`` rebinds their
 names), except for values their import computed. ``unroute`` puts everything back.
+
+The registry entry that installs this for megatron is ``patches/cuda_routing.py``; ``adapter.torch_view``
+is the view of torch that routed modules get.
 """
 
 from __future__ import annotations

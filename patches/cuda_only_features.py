@@ -1,6 +1,7 @@
-"""Features that need CUDA itself (adapter/cuda_only_features.py), refused off CUDA where they are configured,
-with one line naming the setting: megatron's config dataclasses as they are built, Megatron-LM's
-validate_args before any rank does work, and the constructors of the classes that are the feature."""
+"""CUDA-only features, the registry entries: features that need CUDA itself (the mechanism:
+``adapter/cuda_only_features.py``), refused off CUDA where they are configured, with one line naming the
+setting: megatron's config dataclasses as they are built, Megatron-LM's validate_args before any rank does
+work, and the constructors of the classes that are the feature."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Process groups: size checks before any group exists, and HCCL options per group on NPU."""
+"""Parallel start-up and process groups, the registry entries: size checks before any group exists, and HCCL
+options per group on NPU (the mechanism: ``adapter/parallel.py``)."""
 
 from adapter import parallel
 

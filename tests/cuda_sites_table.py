@@ -1,5 +1,5 @@
 """The CUDA sites of megatron that no routing rule answers and no CUDA-only feature owns, each with the
-reason it is right off CUDA as written (or the registry patch that answers it). ``adapter.cuda_inventory``
+reason it is right off CUDA as written (or the registry patch that answers it). ``tests.cuda_inventory``
 reads these; ``tests/test_cuda_inventory.py`` checks that each entry still matches a site and that each
 patch named here is registered.
 

@@ -1,4 +1,5 @@
-"""Every CUDA spelling in a package's source, each with the reason it is safe off CUDA, or none.
+"""Every CUDA spelling in a package's source, each with the reason it is safe off CUDA, or none. An audit,
+not part of the runtime: only the tests use it.
 
 ``tests/test_cuda_inventory.py`` runs this over the installed megatron-core and megatron.training (the
 megatron-core wheel's from 0.17, a Megatron-LM checkout's on 0.16) and fails naming file:line for each site
@@ -8,17 +9,17 @@ without a verdict, so a new megatron release shows exactly what it added. It rea
 A site is one spelling: ``torch.cuda.X``, ``from torch.cuda import X``, a ``"cuda"`` / ``"cuda:N"`` /
 ``"nccl"`` string, a ``'torch.cuda.*Tensor'`` type name, ``.cuda()``, ``.is_cuda``, and pinned host memory
 (``.pin_memory()``, a torch function's ``pin_memory=`` other than ``False``), which torch refuses without an
-accelerator. Its verdict comes from the rules by which ``adapter.cuda_scope`` routes every module of
+accelerator. Its verdict comes from the rules by which ``adapter.cuda_routing`` routes every module of
 megatron, checked against what the device layer and the views really answer, then from the reasoned
-tables in ``adapter.cuda_sites_table``:
+tables in ``tests.cuda_sites_table``:
 
 - ``routed: device layer``: ``torch.cuda.X`` (any import form) where ``adapter.device`` defines ``X``;
 - ``routed: strings view``: a device string given to a call the strings view routes (tensor factories'
   ``device=``, ``torch.device``, ``autocast``/``amp`` device types, ``backend=`` of group constructors);
 - ``routed: tensor calls``: a tensor-method spelling, or a ``device=`` string, inside a function the rule
-  wraps (``cuda_scope.spells_tensor_calls`` of the same function, decided here from the source); pinned
+  wraps (``cuda_routing.spells_tensor_calls`` of the same function, decided here from the source); pinned
   memory inside a function the rule wraps where there is no accelerator (it is real where there is one);
-- ``refused: <flag>``: code of a feature refused off CUDA when configured (``patches/cuda_only.py``);
+- ``refused: <flag>``: code of a feature refused off CUDA when configured (``patches/cuda_only_features.py``);
 - ``patched: <target>``: code a registry patch replaces;
 - ``as written: <reason>``: right off CUDA as it stands (a device-type test that answers False, a default
   the caller overrides, ...).
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from adapter import cuda_only_features, device, torch_view
-from adapter import cuda_sites_table as table
+from tests import cuda_sites_table as table
 
 _CUDA_TYPE_NAME = re.compile(r"torch\.cuda\.[A-Za-z0-9]*Tensor$")
 _GROUP_CONSTRUCTORS = frozenset(torch_view._GROUP_CONSTRUCTORS)
@@ -206,7 +207,7 @@ def _pins(node: ast.AST) -> bool:
 
 
 def _tensor_calls_in(function: ast.AST | None, pins: bool = False) -> bool:
-    """The source form of ``cuda_scope.spells_tensor_calls``: whether the rule wraps this function (its
+    """The source form of ``cuda_routing.spells_tensor_calls``: whether the rule wraps this function (its
     outermost enclosing function, which is what a module defines); ``pins``: without an accelerator."""
     if function is None:
         return False
@@ -238,7 +239,7 @@ def _replaced_by_patch(module: str, qualname: str, replaced: frozenset) -> str:
 
 
 def _routed(spelling: str, wrapped: bool, context: str) -> bool:
-    """Whether the routing rules of adapter.cuda_scope answer this site."""
+    """Whether the routing rules of adapter.cuda_routing answer this site."""
     if context == "import":
         names = spelling.split()[1].split(".")[2:] + ([] if spelling.startswith("import") else
                                                      [spelling.rpartition(" import ")[2]])
@@ -323,7 +324,7 @@ def scan_module(source: str, path: str, module: str, replaced: frozenset = froze
 
 def _defined_functions(tree: ast.AST, prefix: str = ""):
     """(qualname, node) of each function a module or class body defines, classes nested in classes too:
-    the units ``cuda_scope`` considers for wrapping."""
+    the units ``cuda_routing`` considers for wrapping."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield prefix + node.name, node
