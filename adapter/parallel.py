@@ -51,7 +51,7 @@ class ModelShape:
 
 def check_sizes(world_size: int | None, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                 etp: int | None = None, vpp: int | None = None, gtp: int = 1, egtp: int = 1,
-                model: ModelShape | None = None) -> int | None:
+                model: ModelShape | None = None, sequence_parallel: bool = False) -> int | None:
     """The parallel-layout rules, in one place: refuse a layout that cannot work, with the bad value and the
     fix in the message; return the data-parallel size (None without a world size).
 
@@ -69,7 +69,8 @@ def check_sizes(world_size: int | None, *, tp: int = 1, pp: int = 1, cp: int = 1
         raise ParallelConfigError(f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1 (got {pp}). "
                                   "Drop the virtual pipeline size or use a pipeline.")
     if model is not None:
-        _check_model(model, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp)
+        _check_model(model, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+        _check_sequence(model.seq_length, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
     if world_size is None:
         return None
     _positive("world_size", world_size)
@@ -89,9 +90,9 @@ def _divides_world(world_size: int, axes: list, fix: str) -> None:
                                   + f" parallel = {size}. " + fix.format(n=size))
 
 
-def _check_model(model: ModelShape, *, tp: int, pp: int, vpp: int | None, cp: int, ep: int, etp: int) -> None:
+def _check_model(model: ModelShape, *, tp: int, pp: int, vpp: int | None, ep: int, etp: int) -> None:
     """Heads, query groups, vocabulary and MLP widths split over (expert) tensor parallelism, layers over
-    pipeline stages, experts over expert parallelism, the sequence over context parallelism."""
+    pipeline stages, experts over expert parallelism."""
     split = [("num_attention_heads", tp, "tensor"), ("num_query_groups", tp, "tensor"),
              ("vocab_size", tp, "tensor"), ("dense_ffn_hidden_size", tp, "tensor"),
              ("expert_ffn_hidden_size", etp, "expert tensor"), ("shared_expert_ffn_hidden_size", tp, "tensor"),
@@ -112,10 +113,21 @@ def _check_model(model: ModelShape, *, tp: int, pp: int, vpp: int | None, cp: in
     if model.num_experts is not None and model.expert_bias and etp > 1:
         raise ParallelConfigError(f"expert tensor parallel size {etp} with add_bias_linear=True: megatron supports "
                                   "expert biases only at expert tensor parallel size 1")
-    if model.seq_length is not None and cp > 1 and model.seq_length % (2 * cp):
-        raise ParallelConfigError(f"seq_length={model.seq_length} is not divisible by 2 x context parallel size {cp} "
+
+
+def _check_sequence(seq_length: int | None, *, tp: int, cp: int, sequence_parallel: bool) -> None:
+    """The sequence over context parallelism (megatron's load-balanced split: 2 x CP chunks, rank r holding
+    chunks r and 2CP-1-r), then each CP rank's tokens over TP where sequence parallelism splits them."""
+    if seq_length is None:
+        return
+    if cp > 1 and seq_length % (2 * cp):
+        raise ParallelConfigError(f"seq_length={seq_length} is not divisible by 2 x context parallel size {cp} "
                                   f"= {2 * cp} (megatron's load-balanced split cuts the sequence into 2 x CP "
                                   "chunks): change the sequence length or the context parallel size")
+    per_rank = seq_length // cp
+    if sequence_parallel and per_rank % tp:
+        raise ParallelConfigError(f"sequence parallelism splits each CP rank's {per_rank} tokens over TP {tp}, "
+                                  "which does not divide them: change the sequence length, TP or CP")
 
 
 def checked_initialize_model_parallel(initialize_model_parallel):

@@ -96,10 +96,12 @@ def test_the_wrapper_reads_every_size_however_it_is_passed(monkeypatch):
      r"expert tensor parallel size 4 does not divide expert_ffn_hidden_size=6"),
     (8, dict(ep=2, model=ModelShape(num_attention_heads=8)),
      r"expert parallel size 2 for a dense model: set num_experts, or use 1"),
+    (8, dict(tp=4, cp=2, sequence_parallel=True, model=ModelShape(seq_length=36)),
+     r"sequence parallelism splits each CP rank's 18 tokens over TP 4, which does not divide them"),
     (8, dict(cp=4, model=ModelShape(seq_length=36)),
      r"seq_length=36 is not divisible by 2 x context parallel size 4 = 8 \(megatron's load-balanced split"),
 ], ids=["vpp-without-pipeline", "tp-above-heads", "tp-not-dividing-heads", "tp-not-dividing-groups",
-        "ep-not-dividing-experts", "etp-not-dividing-expert-ffn", "ep-for-a-dense-model", "cp-not-dividing-seq"])
+        "ep-not-dividing-experts", "etp-not-dividing-expert-ffn", "ep-for-a-dense-model", "sp-not-dividing-a-cp-ranks-tokens", "cp-not-dividing-seq"])
 def test_refused_layouts_name_the_value_and_the_fix(world, sizes, message):
     with pytest.raises(ParallelConfigError, match=message):
         check_sizes(world, **sizes)

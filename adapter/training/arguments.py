@@ -440,7 +440,7 @@ def fit_vocab(args: argparse.Namespace, tokenizer_vocab: int) -> None:
 def _check_context_parallel(args: argparse.Namespace) -> None:
     """What the adapter's CP attention and megatron's load-balanced split need, refused here rather than
     as an assertion inside the first forward: a communication type the attention has, heads that Ulysses
-    can spread over the CP ranks (the sequence's 2 x CP chunks are a layout rule, checked with the others),
+    can spread over the CP ranks (the sequence's 2 x CP chunks and its split over TP are layout rules),
     no attention dropout and no document masks (the CP attention is causal over the whole
     sequence, without dropout). Sets ``args.cp_comm_type`` to the one type as a string, the form megatron's
     layers read (a per-layer list there is indexed by layer number, one off)."""
@@ -459,10 +459,6 @@ def _check_context_parallel(args: argparse.Namespace) -> None:
     _require(args.cp_comm_type != "a2a" or (heads % cp == 0 and groups % cp == 0),
              f"--cp-comm-type a2a spreads each TP rank's {heads} attention heads and {groups} query groups over "
              f"CP {cp}, which does not divide them: use --cp-comm-type p2p or a CP size dividing both")
-    per_rank = args.seq_length // cp
-    _require(not args.sequence_parallel or per_rank % tp == 0,
-             f"sequence parallelism splits each CP rank's {per_rank} tokens over TP {tp}, which does not divide "
-             "them: change --seq-length, TP or CP")
     _require(args.attention_dropout == 0,
              f"--attention-dropout {args.attention_dropout} with --context-parallel-size {cp}: the CP attention has "
              "no attention dropout; pass --attention-dropout 0")
@@ -555,7 +551,8 @@ def _layout(args: argparse.Namespace, world_size: int | None, model: ModelShape 
     try:
         return check_sizes(world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                            vpp=vpp, cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
-                           etp=args.expert_tensor_parallel_size, model=model)
+                           etp=args.expert_tensor_parallel_size, model=model,
+                           sequence_parallel=bool(args.sequence_parallel))
     except ParallelConfigError as exc:
         raise ArgumentError(str(exc)) from None
 

@@ -316,10 +316,8 @@ def _check_plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, dp: in
     _check(params_dtype in DTYPE_BYTES, f"params_dtype={params_dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     _check(recompute in RECOMPUTE, f"recompute={recompute!r}: use selective, full or None")
     _check(recompute_method in ("uniform", "block"), f"recompute_method={recompute_method!r}: use uniform or block")
-    _check_layout(tp * pp * cp * dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, model=model, seq_length=seq_length)
-    _check(not sequence_parallel or (seq_length // cp) % tp == 0,
-           f"sequence parallelism splits the {seq_length // cp} tokens of a rank over TP {tp}, which does not "
-           "divide them: change the seq length or TP")
+    _check_layout(tp * pp * cp * dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, model=model, seq_length=seq_length,
+                  sequence_parallel=sequence_parallel)
     per_step = micro_batch_size * dp
     _check(global_batch_size % per_step == 0,
            f"global batch {global_batch_size} is not divisible by micro batch {micro_batch_size} x DP {dp} = "
