@@ -101,7 +101,8 @@ def test_the_wrapper_reads_every_size_however_it_is_passed(monkeypatch):
     (8, dict(cp=4, model=ModelShape(seq_length=36)),
      r"seq_length=36 is not divisible by 2 x context parallel size 4 = 8 \(megatron's load-balanced split"),
 ], ids=["vpp-without-pipeline", "tp-above-heads", "tp-not-dividing-heads", "tp-not-dividing-groups",
-        "ep-not-dividing-experts", "etp-not-dividing-expert-ffn", "ep-for-a-dense-model", "sp-not-dividing-a-cp-ranks-tokens", "cp-not-dividing-seq"])
+        "ep-not-dividing-experts", "etp-not-dividing-expert-ffn", "ep-for-a-dense-model",
+        "sp-not-dividing-a-cp-ranks-tokens", "cp-not-dividing-seq"])
 def test_refused_layouts_name_the_value_and_the_fix(world, sizes, message):
     with pytest.raises(ParallelConfigError, match=message):
         check_sizes(world, **sizes)
