@@ -2,7 +2,7 @@
 scheduler, RNG states, iteration and consumed samples.
 
 A checkpoint is never lost: every rank writes into ``.iter_XXXXXXX.partial``; once all have, rank 0
-publishes it (``models.checkpoint.publish``: an existing copy of the iteration moves aside, the new one
+publishes it (``models.checkpoint_dir.publish``: an existing copy of the iteration moves aside, the new one
 moves in, the tracker is replaced, the old copy goes, each step on disk before the next), so a process
 killed at any instant leaves a complete checkpoint to resume from, and the next start puts back what
 the kill interrupted (``recover_interrupted_save``). A save that fails on any rank stops every rank
@@ -17,7 +17,7 @@ Across megatron-core releases: a checkpoint saved under 0.16.1 (its common state
 0.19, at its layout or another (tests/test_checkpoint_upgrade.py): 0.19 reads common.pt as its legacy form, and
 the optimizer state is saved per parameter, so the 0.18 rework of the gradient buffers does not reach it. One
 saved under 0.19 keeps its common state inside the torch_dist files, which 0.16-0.18 cannot read: --load
-refuses it before any rank starts (``models.checkpoint.readable_here``).
+refuses it before any rank starts (``models.checkpoint_dir.readable_here``).
 """
 
 from __future__ import annotations
