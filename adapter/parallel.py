@@ -41,10 +41,10 @@ class ModelShape:
     num_attention_heads: int | None = None
     num_query_groups: int | None = None
     vocab_size: int | None = None
-    dense_ffn_hidden_size: int | None = None  # the dense MLPs' (None where every layer is MoE)
+    ffn_hidden_size: int | None = None  # the dense MLPs' (None where every layer is MoE)
     num_experts: int | None = None
     expert_ffn_hidden_size: int | None = None
-    shared_expert_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
     expert_bias: bool = False
     seq_length: int | None = None
 
@@ -94,8 +94,8 @@ def _check_model(model: ModelShape, *, tp: int, pp: int, vpp: int | None, ep: in
     """Heads, query groups, vocabulary and MLP widths split over (expert) tensor parallelism, layers over
     pipeline stages, experts over expert parallelism."""
     split = [("num_attention_heads", tp, "tensor"), ("num_query_groups", tp, "tensor"),
-             ("vocab_size", tp, "tensor"), ("dense_ffn_hidden_size", tp, "tensor"),
-             ("expert_ffn_hidden_size", etp, "expert tensor"), ("shared_expert_ffn_hidden_size", tp, "tensor"),
+             ("vocab_size", tp, "tensor"), ("ffn_hidden_size", tp, "tensor"),
+             ("expert_ffn_hidden_size", etp, "expert tensor"), ("moe_shared_expert_intermediate_size", tp, "tensor"),
              ("num_experts", ep, "expert")]
     for name, size, kind in split:
         value = getattr(model, name)

@@ -206,9 +206,9 @@ class ModelConfig:
         moe = self.num_experts is not None
         return ModelShape(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
                           num_query_groups=self.num_query_groups, vocab_size=self.vocab_size,
-                          dense_ffn_hidden_size=self.ffn_hidden_size if 0 in self.moe_layer_pattern() else None,
+                          ffn_hidden_size=self.ffn_hidden_size if 0 in self.moe_layer_pattern() else None,
                           num_experts=self.num_experts, expert_ffn_hidden_size=self.expert_ffn_hidden_size if moe
-                          else None, shared_expert_ffn_hidden_size=self.moe_shared_expert_intermediate_size if moe
+                          else None, moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size if moe
                           else None, expert_bias=self.add_bias_linear, seq_length=self.seq_length)
 
     def num_parameters(self) -> int:

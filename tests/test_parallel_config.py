@@ -90,6 +90,8 @@ def test_the_wrapper_reads_every_size_however_it_is_passed(monkeypatch):
      r"tensor parallel size 4 does not divide num_attention_heads=6: use a tensor parallel size that divides 6"),
     (8, dict(tp=4, model=ModelShape(num_attention_heads=8, num_query_groups=2)),
      r"tensor parallel size 4 does not divide num_query_groups=2: use a tensor parallel size that divides 2"),
+    (8, dict(tp=4, model=ModelShape(ffn_hidden_size=6)),  # the user's setting, by its name
+     r"tensor parallel size 4 does not divide ffn_hidden_size=6: use a tensor parallel size that divides 6"),
     (8, dict(ep=4, model=ModelShape(num_experts=6)),
      r"expert parallel size 4 does not divide num_experts=6: use an expert parallel size that divides 6"),
     (8, dict(tp=2, etp=4, model=ModelShape(num_experts=8, expert_ffn_hidden_size=6)),
@@ -101,7 +103,7 @@ def test_the_wrapper_reads_every_size_however_it_is_passed(monkeypatch):
     (8, dict(cp=4, model=ModelShape(seq_length=36)),
      r"seq_length=36 is not divisible by 2 x context parallel size 4 = 8 \(megatron's load-balanced split"),
 ], ids=["vpp-without-pipeline", "tp-above-heads", "tp-not-dividing-heads", "tp-not-dividing-groups",
-        "ep-not-dividing-experts", "etp-not-dividing-expert-ffn", "ep-for-a-dense-model",
+        "tp-not-dividing-ffn", "ep-not-dividing-experts", "etp-not-dividing-expert-ffn", "ep-for-a-dense-model",
         "sp-not-dividing-a-cp-ranks-tokens", "cp-not-dividing-seq"])
 def test_refused_layouts_name_the_value_and_the_fix(world, sizes, message):
     with pytest.raises(ParallelConfigError, match=message):
