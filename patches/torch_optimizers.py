@@ -25,14 +25,16 @@ def state_dict_before_first_step(state_dict):
     there is exactly one; before the first step there are none (no state yet, or only the moments that
     megatron's ``init_state_fn`` puts there to shape a checkpoint, without ``step``), so building the state
     dict to save or load a checkpoint before training fails (assertion, or ``KeyError: 'step'``). Before
-    the first step, the answer is step 0."""
+    the first step, the answer is step 0, a float as megatron's own answer is once there are steps (the
+    per-parameter step's ``.item()``): a state dict taken before a save equals the one taken after its
+    load."""
 
     @functools.wraps(state_dict)
     def optimizer_state_dict(self):
         if not _torch_optimizer_inside() or any("step" in state for state in self.optimizer.state.values()):
             return state_dict(self)
         inner = self.optimizer.state_dict()
-        groups = [{**{k: v for k, v in group.items() if k != "params"}, "step": 0}
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "step": 0.0}
                   for group in inner["param_groups"]]
         result = {"optimizer": {"param_groups": groups}}
         if self.grad_scaler:

@@ -104,13 +104,21 @@ class RankPlugin:
 
     def pytest_runtest_logfinish(self, nodeid, location):
         """Groups that nothing references any more are destroyed after each test; when the groups still
-        alive on some rank reach the limit, every rank stops after this test (ranks hold different groups:
-        they agree on the count, see ``DroppedGroups.most_alive_on_any_rank``)."""
+        alive on some rank reach the limit, or when the ranks have created different numbers of groups,
+        every rank stops after this test (ranks hold different groups: they agree, see
+        ``DroppedGroups.agree``). Different numbers come from a test that stopped part way, at a
+        different point on different ranks (one that needs Transformer Engine several helpers deep):
+        torch names each new group by that count, so the next test's groups would pair ranks wrongly and
+        its collectives hang."""
         if not (self.max_groups and torch_distributed_ready()):
             return
         self.groups.release_dropped()
-        alive = self.groups.most_alive_on_any_rank()
-        if alive >= self.max_groups:
+        alive, created = self.groups.agree()
+        if created[0] != created[1]:
+            self.stopped = True
+            self.session.shouldstop = (f"the ranks created {created[0]} to {created[1]} process groups; "
+                                       "a fresh set goes on")
+        elif alive >= self.max_groups:
             self.stopped = True
             self.session.shouldstop = f"{alive} process groups alive on a rank; a fresh set goes on"
 
@@ -162,10 +170,11 @@ class DroppedGroups:
             dist.destroy_process_group(pg)
         return len(dropped)
 
-    def most_alive_on_any_rank(self) -> int:
-        """The most groups alive on a rank, agreed on over a gloo group of the harness's own (created at
-        the first test end, again after a test re-initialised the world), never the tests' groups: a
-        rank still inside a test's collective keeps the others waiting here, not paired with it."""
+    def agree(self) -> tuple[int, tuple[int, int]]:
+        """(the most groups alive on a rank, (the fewest, the most) groups any rank has created), agreed on
+        over a gloo group of the harness's own (created at the first test end, again after a test
+        re-initialised the world), never the tests' groups: a rank still inside a test's collective keeps
+        the others waiting here, not paired with it."""
         import torch
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
@@ -173,9 +182,9 @@ class DroppedGroups:
         world = distributed_c10d._world
         if self.control is None or self.control_world is not world.default_pg:
             self.control, self.control_world = dist.new_group(backend="gloo"), world.default_pg
-        alive = torch.tensor([len(world.pg_map) - 1])  # less the harness's own
-        dist.all_reduce(alive, op=dist.ReduceOp.MAX, group=self.control)
-        return int(alive)
+        counts = torch.tensor([len(world.pg_map) - 1, -world.group_count, world.group_count])  # less our own
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.control)
+        return int(counts[0]), (-int(counts[1]), int(counts[2]))
 
 
 def outcome_of(report) -> dict:

@@ -16,8 +16,10 @@ and a fresh set of ranks carries on with the tests not yet run; so does a rank t
 ranks destroys, after each test, the process groups nothing holds any more (megatron's
 ``destroy_model_parallel`` drops its groups without destroying them, and each gloo group keeps three
 threads), and stops after the test that leaves ``--groups-per-set`` groups alive on a rank (in a
-long-lived process they pile up until creating one more hangs); a fresh set goes on. The last line
-is ``P passed, F failed, S skipped``; the exit status is 0 exactly when F is 0.
+long-lived process they pile up until creating one more hangs), or that leaves the ranks with different
+numbers of groups made (torch names groups by that number: the next test's would pair ranks wrongly); a
+fresh set goes on. The last line is ``P passed, F failed, S skipped``; the exit status is 0 exactly when
+F is 0.
 """
 
 from __future__ import annotations

@@ -96,23 +96,30 @@ def test_an_optimizer_config_without_lr_builds_torch_adam_with_the_lr_to_be_set(
     assert later["losses"] == given["losses"]
 
 
-def steps_in_a_checkpoint_before_training(_) -> list:
-    """In a rank: the distributed optimizer's sharded state dict (what a checkpoint saves) before any step."""
-    run = Run(distributed_optimizer=True)
-    _, _, chunks, optimizer = setup(run)
+def steps_in_a_checkpoint_before_training(_) -> dict:
+    """In a rank: the steps of the distributed optimizer's state dict (what a checkpoint saves) before any
+    step, and after one, as megatron itself reads them from torch's Adam."""
+    from scripts.train_tiny_gpt import train_step
+
+    run = Run(distributed_optimizer=True, steps=1)
+    flavor, _, chunks, optimizer = setup(run)
     optimizer.sharded_state_dict(chunks[0].sharded_state_dict(),
                                  metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
     assert inner.optimizer.state and not any("step" in s for s in inner.optimizer.state.values())
-    return [group["step"] for group in inner.state_dict()["optimizer"]["param_groups"]]
+    before = [group["step"] for group in inner.state_dict()["optimizer"]["param_groups"]]
+    train_step(run, flavor, chunks, optimizer, 0)
+    return {"before": before, "after": [group["step"] for group in inner.state_dict()["optimizer"]["param_groups"]]}
 
 
 @pytest.mark.multiproc
 def test_a_checkpoint_before_the_first_step_records_step_0():
     """megatron reads torch's Adam's per-parameter ``step`` to save the iteration; before training there is
-    none (megatron fills the moments alone to shape the checkpoint). Step 0 is what was taken."""
+    none (megatron fills the moments alone to shape the checkpoint). Step 0 is what was taken, of the type
+    megatron's own reading gives once there are steps (a state dict before a save equals the loaded one's)."""
     steps = run_ranks(1, steps_in_a_checkpoint_before_training, None)[0]
-    assert steps and set(steps) == {0}
+    assert steps["before"] and set(steps["before"]) == {0} and set(steps["after"]) == {1}
+    assert {type(s) for s in steps["before"]} == {type(s) for s in steps["after"]}
 
 
 def load_fused_adam_layout(group_step) -> dict:

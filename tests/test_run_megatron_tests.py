@@ -169,6 +169,27 @@ def test_runs_in_the_same_process_with_the_groups_destroyed():
     assert set(NAMES).isdisjoint(distributed_c10d._world.pg_names.values())
 '''
 
+# a test that makes one more process group on rank 1 than on rank 0, as a test does that stops part way at a
+# different point on each rank (Transformer Engine needed several helpers deep): torch names each new group
+# by the count of groups made, so the next test's group pairs rank 0's name with rank 1's other name, and hangs
+DIVERGE = '''
+import torch
+
+from tests.unit_tests.test_utilities import Utils
+
+
+def test_makes_one_more_group_on_rank_1():
+    Utils.initialize_distributed()
+    if torch.distributed.get_rank() == 1:
+        torch.distributed.new_group([1])
+
+
+def test_after_it():
+    Utils.initialize_distributed()
+    group = torch.distributed.new_group([0, 1])
+    torch.distributed.all_reduce(torch.ones(1), group=group)
+'''
+
 HANG = '''
 import time
 
@@ -209,6 +230,7 @@ def checkout(tmp_path_factory) -> Path:
                        "tests/unit_tests/test_basic.py": BASIC, "tests/unit_tests/test_backend.py": BACKEND,
                        "tests/unit_tests/hang/test_hang.py": HANG, "tests/unit_tests/sets/test_sets.py": SETS,
                        "tests/unit_tests/sets/test_dropped.py": DROPPED,
+                       "tests/unit_tests/sets/test_diverge.py": DIVERGE,
                        "tests/unit_tests/nopackage/test_outside.py": OUTSIDE_PACKAGE}.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(textwrap.dedent(text))
@@ -307,6 +329,20 @@ def test_groups_nothing_holds_are_destroyed_and_cost_no_fresh_set(checkout):
     _, lines, _ = run_harness(checkout, "--nproc", "2", "--groups-per-set", "2",
                               "tests/unit_tests/sets/test_dropped.py")
     assert lines[-1] == "2 passed, 0 failed, 0 skipped", lines
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("per_set, last_line", [("400", "2 passed, 0 failed, 0 skipped"),
+                                                ("0", "1 passed, 1 failed, 0 skipped")])
+def test_ranks_that_made_different_numbers_of_groups_go_on_in_a_fresh_set(checkout, per_set, last_line):
+    """With --groups-per-set 0 the ranks compare nothing after a test: the next test's collective hangs."""
+    _, lines, report = run_harness(checkout, "--nproc", "2", "--timeout", "30", "--groups-per-set", per_set,
+                                   "tests/unit_tests/sets/test_diverge.py")
+    assert lines[-1] == last_line, lines
+    if per_set == "0":
+        after = report["tests"]["tests/unit_tests/sets/test_diverge.py::test_after_it"]
+        assert after["reason"].startswith("killed: no rank reported progress"), after
 
 
 @pytest.mark.multiproc
