@@ -91,15 +91,31 @@ def gathers_any_sizes(fn):
     return gathering
 
 
+def layer_wise_param_sync_gathers_any_sizes(start_param_sync):
+    """``_ParamAndGradBucketGroup.start_param_sync`` under ``AnySizeAllGather`` on its layer-wise path only
+    (0.17+: a bucket group without ``use_distributed_optimizer``, where each rank owns whole parameters).
+    The distributed optimizer's gather, once per bucket group each step, gathers equal shards and runs
+    as written, with no mode around it."""
+    gathering = gathers_any_sizes(start_param_sync)
+
+    @functools.wraps(start_param_sync)
+    def param_sync(self, *args, **kwargs):
+        if self.ddp_config.use_distributed_optimizer:
+            return start_param_sync(self, *args, **kwargs)
+        return gathering(self, *args, **kwargs)
+
+    return param_sync
+
+
 _UNEVEN = "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor"
-# (target, where it gathers uneven parts, whether some checked release lacks it)
+# (target, its wrapper, where it gathers uneven parts, whether some checked release lacks it)
 _UNEVEN_GATHERS = (
-    (f"{_UNEVEN}:_assemble_full_tensor_from_uneven_chunks", "0.16-0.17", True),
-    (f"{_UNEVEN}:uneven_dtensor_to_full_tensor", "0.18+", True),
-    ("megatron.core.optimizer.layer_wise_optimizer:LayerWiseDistributedOptimizer.allgather_params", "every release",
-     False),
+    (f"{_UNEVEN}:_assemble_full_tensor_from_uneven_chunks", gathers_any_sizes, "0.16-0.17", True),
+    (f"{_UNEVEN}:uneven_dtensor_to_full_tensor", gathers_any_sizes, "0.18+", True),
+    ("megatron.core.optimizer.layer_wise_optimizer:LayerWiseDistributedOptimizer.allgather_params",
+     gathers_any_sizes, "every release", False),
     ("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_param_sync",
-     "0.17+, layer-wise path only", False),
+     layer_wise_param_sync_gathers_any_sizes, "0.17+, layer-wise path only", False),
 )
 
 
@@ -107,6 +123,6 @@ def register(registry, versions: str) -> None:
     registry.replace(f"{_TP_UTILS}:gather_split_1d_tensor", gather_split_1d_tensor, versions=versions,
                      backends=("cpu",),
                      reason="gathers an N-d tensor into a flat buffer, which gloo's all_gather_into_tensor refuses")
-    for target, where, optional in _UNEVEN_GATHERS:
-        registry.wrap(target, gathers_any_sizes, versions=versions, backends=("cpu",), optional=optional,
+    for target, wrapper, where, optional in _UNEVEN_GATHERS:
+        registry.wrap(target, wrapper, versions=versions, backends=("cpu",), optional=optional,
                       reason=f"all_gather of unequal sizes, which NCCL runs and gloo refuses ({where})")
