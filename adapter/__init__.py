@@ -24,8 +24,9 @@ def current_backend() -> Backend:
 
 def route_cuda(*packages: str) -> None:
     """Give your own packages the routing megatron gets: in every module of each package, imported before
-    or after this call, ``torch.cuda.*``, ``device="cuda"``, ``.cuda()`` / ``.to("cuda")`` / ``.is_cuda``
-    in its functions, and ``backend="nccl"`` answer for this backend's device (cpu, npu); nothing outside
+    or after this call, ``torch.cuda.*``, ``device="cuda"`` (given to torch's factories, torch.nn's modules
+    or the module's own helpers), ``.cuda()`` / ``.to("cuda")`` / ``.is_cuda`` in its functions, and
+    ``backend="nccl"`` answer for this backend's device (cpu, npu); nothing outside
     those modules changes, ``torch.cuda`` included. A no-op on cuda. See README "Your own CUDA code"."""
     from adapter import cuda_routing
 

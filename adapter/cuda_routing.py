@@ -15,11 +15,13 @@ own packages through ``adapter.route_cuda``), and every module under it, now or 
    that maps ``"nccl"``; all others keep the real torch.distributed. The code that runs is the module's
    own, unchanged;
 2. its tensor methods: each function and method defined in the module whose code spells CUDA in a tensor
-   method (``.cuda()``, ``.is_cuda``, a ``'torch.cuda.*Tensor'`` type name, ``.to("cuda")``) is wrapped to
-   run under ``adapter.torch_view.CudaCalls``, which answers those spellings for that module's own calls
-   only. Per-layer code spells none of them in megatron-core 0.16.1 (tests/test_cuda_inventory.py). On a
-   backend without an accelerator (cpu), functions that pin host memory (``.pin_memory()``,
-   ``pin_memory=True``) are wrapped too: there is nothing to pin for, and torch refuses to pin.
+   method (``.cuda()``, ``.is_cuda``, a ``'torch.cuda.*Tensor'`` type name, ``.to("cuda")``), or gives
+   ``device="cuda"`` to a call the view does not route (``torch.nn.Linear(..., device="cuda")``, a helper),
+   is wrapped to run under ``adapter.torch_view.CudaCalls``, which answers those spellings for that
+   module's own calls only. Per-layer code spells none of them in megatron-core 0.16.1-0.19.2
+   (tests/test_cuda_inventory.py). On a backend without an accelerator (cpu), functions that pin host
+   memory (``.pin_memory()``, ``pin_memory=True``) are wrapped too: there is nothing to pin for, and torch
+   refuses to pin.
 
 Nothing global changes: ``torch.cuda`` is the same object for every other module and library. Modules a
 routed package imported before routing began get the same, after the fact (``route`` rebinds their
@@ -79,7 +81,8 @@ def _own_facts(code: types.CodeType) -> int:
     if "backend" in strings and not _GROUP_CONSTRUCTOR_NAMES.isdisjoint(names):
         facts |= _HANDS_ON_BACKEND
     if ("is_cuda" in names or any(map(_CUDA_TYPE_NAME.match, strings))
-            or (("cuda" in names or "to" in names) and _tensor_method_here(code))):
+            or (("cuda" in names or "to" in names) and _tensor_method_here(code))
+            or (facts & _DEVICE_STRINGS and "device" in strings and _device_string_handed_on(code))):
         facts |= _TENSOR_CALLS
     if "pin_memory" in names or "pin_memory" in strings:  # t.pin_memory(), pin_memory= (a keyword's name)
         facts |= _PINS
@@ -230,6 +233,83 @@ def _tensor_method_here(code: types.CodeType) -> bool:
         return True
     return "to" in names and any(after is not None and after[0] == "LOAD_CONST" and _is_device_string(after[1])
                                  and after[1] != "nccl" for _, after in _attribute_loads(code, "to"))
+
+
+# ``device="cuda"`` given to a call the strings view does not route (``torch.nn.Linear(..., device="cuda")``,
+# ``.to(device="cuda")``, a helper of the module's own) reaches torch's factories from code nobody routed,
+# inside torch.nn or the helper; ``CudaCalls`` answers ``device=`` of every torch call that the spelling
+# function's own call makes, however deep. Read with dis: only code holding both a CUDA device string and a
+# ``device`` keyword gets this far (a few functions per release), and calls are read off the stack backwards.
+_CALLABLE_SLOTS = 2 if sys.version_info >= (3, 11) else 1  # 3.11+: the callable and its NULL (or self)
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+_NAME_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF"})
+_DEVICE_TAKERS = frozenset(torch_view._FACTORIES) | {"device"}
+
+
+def _keyword_calls(code: types.CodeType):
+    """(keyword names, argument count, the instructions before the names) of each call with keywords in
+    ``code``'s own instructions."""
+    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG")]
+    for k, i in enumerate(ins):
+        if i.opname == "KW_NAMES":  # 3.11, 3.12: the CALL follows (3.11: after a PRECALL)
+            call = next(j for j in ins[k + 1:] if j.opname == "CALL")
+            yield code.co_consts[i.arg], call.arg, ins[:k]
+        elif i.opname in ("CALL_FUNCTION_KW", "CALL_KW"):  # 3.10, 3.13: the names are the constant before
+            yield ins[k - 1].argval, i.arg, ins[:k - 1]
+
+
+def _stack_items(before: list, count: int):
+    """The (start, end) spans of ``before`` that pushed the top ``count`` stack items, bottom first, read
+    backwards by net stack effect; None where a jump lies among them (a conditional expression)."""
+    spans, depth, end = [], 0, len(before)
+    for j in range(len(before) - 1, -1, -1):
+        i = before[j]
+        depth += dis.stack_effect(i.opcode, i.arg if i.opcode >= dis.HAVE_ARGUMENT else None)
+        pushed = min(depth, count) - len(spans)
+        if pushed > 0:
+            spans, end = spans + [(j, end)] * pushed, j
+        if len(spans) == count:
+            return spans[::-1]
+        if i.opcode in _JUMPS or i.is_jump_target:
+            return None
+    return None
+
+
+def _dotted_load(instructions: list) -> str:
+    """``a.b.c`` for instructions that load a name and then attributes of it, else ''."""
+    loads = [i for i in instructions if i.opname != "PUSH_NULL"]
+    if not loads or loads[0].opname not in _NAME_LOADS or any(i.opname not in _ATTRIBUTE_LOADS for i in loads[1:]):
+        return ""
+    return ".".join(i.argval for i in loads)
+
+
+def _holds_device_string(instructions: list) -> bool:
+    """A CUDA device string, or an f-string that starts with one (``f"cuda:{rank}"``)."""
+    first = instructions[0]
+    return first.opname == "LOAD_CONST" and _is_device_string(first.argval) and first.argval != "nccl" and (
+        len(instructions) == 1 or instructions[-1].opname == "BUILD_STRING")
+
+
+def routed_by_the_view(callee: str) -> bool:
+    """Whether the strings view (or the device layer) answers ``device=`` given to ``callee`` (dotted)."""
+    return callee.startswith("torch.") and (
+        callee.startswith("torch.cuda.") or callee.rpartition(".")[2] in _DEVICE_TAKERS)
+
+
+def _device_string_handed_on(code: types.CodeType) -> bool:
+    """``device=`` with a CUDA device string given to a call the strings view does not route, in ``code``'s
+    own instructions."""
+    for names, argc, before in _keyword_calls(code):
+        if "device" not in names:
+            continue
+        spans = _stack_items(before, argc + _CALLABLE_SLOTS)
+        if spans is None:
+            continue
+        start, end = spans[len(spans) - len(names) + names.index("device")]
+        if _holds_device_string(before[start:end]) and not routed_by_the_view(
+                _dotted_load(before[spans[0][0]:spans[_CALLABLE_SLOTS - 1][1]])):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------- scopes

@@ -17,7 +17,8 @@ tables in ``tests.cuda_sites_table``:
 - ``routed: strings view``: a device string given to a call the strings view routes (tensor factories'
   ``device=``, ``torch.device``, ``autocast``/``amp`` device types, ``backend=`` of group constructors);
 - ``routed: tensor calls``: a tensor-method spelling, or a ``device=`` string, inside a function the rule
-  wraps (``cuda_routing.spells_tensor_calls`` of the same function, decided here from the source); pinned
+  wraps (``cuda_routing.spells_tensor_calls`` of the same function, decided here from the source: among
+  others, a function that gives a CUDA ``device=`` to a call the strings view does not route); pinned
   memory inside a function the rule wraps where there is no accelerator (it is real where there is one);
 - ``refused: <flag>``: code of a feature refused off CUDA when configured (``patches/cuda_only_features.py``);
 - ``patched: <target>``: code a registry patch replaces;
@@ -88,8 +89,9 @@ def _answered(path: list[str]) -> bool:
 class _Scanner(ast.NodeVisitor):
     """Collects the sites of one module, with the enclosing function and the node's parents."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, own: frozenset = frozenset()):
         self.path = path
+        self.own = own  # the names of the functions and classes the module defines at its top level
         self.stack: list[str] = []
         self.functions: list[ast.AST] = []
         self.parents: list[ast.AST] = []
@@ -166,13 +168,18 @@ class _Scanner(ast.NodeVisitor):
     def _string_context(self, node) -> str:
         """How a device string is used: 'device', 'device_type', 'backend' (given to a call the strings
         view routes), 'device-layer' (``device=`` of a torch.cuda call), 'to' (``.to("cuda")``), 'device-kw'
-        (``device=`` of any other call), 'compare' (an operand of ``==`` / ``in``), or 'other'."""
-        parent = self.parents[-1] if self.parents else None
+        (``device=`` of another torch callable, ``.to`` or the module's own function or class: the torch calls
+        it makes are answered where the spelling function is wrapped), 'device-handed' (``device=`` of any
+        other call: the string travels on into code no mode answers), 'compare' (an operand of ``==`` /
+        ``in``), or 'other'."""
+        up = len(self.parents) - 1
+        parent = self.parents[up] if self.parents else None
         if isinstance(parent, ast.JoinedStr):  # f"cuda:{rank}": the f-string is what is passed
-            node, parent = parent, self.parents[-2]
+            node, up = parent, up - 1
+            parent = self.parents[up]
         keyword = None
         if isinstance(parent, ast.keyword):
-            keyword, parent = parent.arg, self.parents[-2]
+            keyword, parent = parent.arg, self.parents[up - 1]
         if isinstance(parent, ast.Compare):
             return "compare"
         if not isinstance(parent, ast.Call):
@@ -194,7 +201,7 @@ class _Scanner(ast.NodeVisitor):
         if callee == "to" and (keyword == "device" or positional):
             return "to"
         if keyword == "device":
-            return "device-kw"
+            return "device-kw" if on_torch or callee == "to" or _dotted(func) in self.own else "device-handed"
         return "other"
 
 
@@ -225,6 +232,24 @@ def _tensor_calls_in(function: ast.AST | None, pins: bool = False) -> bool:
             if attr == "to" and node.args and isinstance(node.args[0], ast.Constant) and (
                     _is_device_string(node.args[0].value) and node.args[0].value != "nccl"):
                 return True
+        if isinstance(node, ast.Call) and _device_string_handed_on(node):
+            return True
+    return False
+
+
+def _device_string_handed_on(call: ast.Call) -> bool:
+    """``device=`` with a CUDA device string (or an f-string starting with one) given to a call that the
+    strings view does not route: a torch.nn constructor, ``.to(device=...)``, a helper of one's own."""
+    dotted = _dotted(call.func)
+    if dotted.startswith("torch.") and (dotted.startswith("torch.cuda.") or call.func.attr in _DEVICE_TAKERS):
+        return False
+    for keyword in call.keywords:
+        value = keyword.value
+        if keyword.arg == "device" and isinstance(value, ast.JoinedStr) and value.values:
+            value = value.values[0]
+        if keyword.arg == "device" and isinstance(value, ast.Constant) and (
+                _is_device_string(value.value) and value.value != "nccl"):
+            return True
     return False
 
 
@@ -306,7 +331,8 @@ def _generator(function: ast.AST) -> bool:
 def scan_module(source: str, path: str, module: str, replaced: frozenset = frozenset()) -> list[Site]:
     """The sites of one module's source; ``replaced``: the registry targets that replace a function."""
     tree = ast.parse(source, path)
-    scanner = _Scanner(path)
+    scanner = _Scanner(path, frozenset(node.name for node in tree.body if isinstance(
+        node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))))
     scanner.visit(tree)
     owners = _outermost_functions(tree)
     wraps = {}  # (id(function), pins) -> whether the rule wraps it

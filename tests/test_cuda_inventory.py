@@ -6,6 +6,7 @@ with its file:line, so a new megatron release shows exactly what it added. The s
 megatron.core module with and without the adapter and compares what routing wrapped with what the
 source model says it wraps."""
 
+import ast
 import dis
 import json
 import os
@@ -128,6 +129,12 @@ FAKE_MODULE = textwrap.dedent('''
     def offload(buffer, loader_cls):
         staging = torch.empty(4, pin_memory=True)
         return buffer.pin_memory(), staging, loader_cls(buffer, pin_memory=True)
+
+    def build():
+        return torch.nn.Linear(2, 2, device="cuda"), own_helper(device=f"cuda:{0}")
+
+    def own_helper(device):
+        return torch.empty(1, device=device)
 ''')
 
 
@@ -144,11 +151,13 @@ def test_a_new_release_shows_exactly_its_new_sites():
         (10, "'cuda'"): "routed: strings view",
         (10, "'cuda:'"): "routed: strings view",
         (13, "torch.cuda.synchronize"): "routed: device layer",
-        (14, "'cuda'"): "",  # device= of megatron's own helper: the string travels unrouted
+        (14, "'cuda'"): "",  # device= of another module's helper: the string travels on unrouted
         (17, "torch.cuda.CUDAGraph"): "",
         (20, "'cuda'"): "",  # a device-type test must be reasoned about in the table
         (23, "pin_memory="): "routed: tensor calls",  # pinned host memory, answered where nothing pins
         (24, ".pin_memory()"): "routed: tensor calls",  # (loader_cls's keyword is its own to honour)
+        (27, "'cuda'"): "routed: tensor calls",  # a torch.nn constructor's device=: its torch calls answered
+        (27, "'cuda:'"): "routed: tensor calls",  # the module's own helper: its torch calls too
     }
     assert "megatron/core/new_feature.py:6: .cuda() in <module>: UNACCOUNTED" in [str(s) for s in sites]
 
@@ -238,3 +247,45 @@ def test_the_bytecode_rule_reads_what_dis_reads():
             if cuda_routing._tensor_method_here(code) != expected:
                 disagree.append(f"{file}: {code.co_name} (line {code.co_firstlineno})")
     assert spelled > 5 and not disagree, disagree
+
+
+DEVICE_KEYWORDS = textwrap.dedent('''
+    def layer():
+        return torch.nn.Linear(4, 4, bias=False, device="cuda")
+    def formatted(rank):
+        return Linear(4, device=f"cuda:{rank}", dtype=None)
+    def factory():
+        return torch.zeros(3, device="cuda")
+    def helper(x):
+        return self.helper(x, device="cuda", other=1)
+    def chosen(c):
+        return self.helper(device="cuda" if c else "cpu")
+    def stream():
+        return torch.cuda.Stream(device="cuda")
+    def in_else(x):
+        if x:
+            return None
+        else:
+            return nn.Linear(4, device="cuda")
+    def parent():
+        return super().__init__(4, device="cuda")
+    def computed():
+        return make(device=pick("cuda"))
+    def on_host(x):
+        return torch.zeros(3, device="cpu"), nn.Linear(2, device="cpu")
+    def conditional_shape(n):
+        return torch.tensor([1 if n else 0], dtype=None, device="cuda")
+''')
+
+
+@pytest.mark.parametrize("name", [n.name for n in ast.parse(DEVICE_KEYWORDS).body])
+def test_the_device_keyword_rule_reads_what_the_source_says(name):
+    """``device="cuda"`` handed to a call the strings view does not route wraps the function: the rule reads
+    it off the bytecode (stack read backwards), the inventory off the source; they agree on each spelling."""
+    from adapter import cuda_routing
+
+    node = next(n for n in ast.parse(DEVICE_KEYWORDS).body if n.name == name)
+    code = next(c for c in compile(DEVICE_KEYWORDS, "<snippet>", "exec").co_consts if getattr(c, "co_name", "") == name)
+    expected = name in ("layer", "formatted", "helper", "in_else", "parent")
+    assert cuda_inventory._tensor_calls_in(node) == expected
+    assert cuda_routing.spells_tensor_calls(code) == expected

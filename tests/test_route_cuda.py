@@ -36,6 +36,16 @@ USER_CODE = textwrap.dedent('''
                 "formatted": torch.device(f"cuda:{torch.cuda.current_device()}").type,
                 "emptied": torch.cuda.memory.empty_cache()}
 
+    def built():
+        # device= given to torch.nn's constructors and to a helper of this module, and no tensor method
+        layer = torch.nn.Linear(2, 2, device="cuda")
+        norm = torch.nn.LayerNorm(2, device=f"cuda:{0}")
+        return {"layer": layer.weight.device.type, "norm": norm.weight.device.type,
+                "helper": filled(device="cuda").device.type}
+
+    def filled(device):
+        return torch.full((2,), 1.0, device=device)
+
     def join(store):
         dist.init_process_group(backend="nccl", store=store, rank=0, world_size=1)
         try:
@@ -140,6 +150,7 @@ def _route_and_import(module: str, order: str):
 def test_a_routed_package_runs_its_cuda_spellings_on_this_device(user_packages, order):
     train = _route_and_import("train", order)
     assert train.place() == EXPECTED
+    assert train.built() == {"layer": "cpu", "norm": "cpu", "helper": "cpu"}
     assert train.join(dist.HashStore()) == "gloo"
     assert cuda_routing.routed_packages()["userpkg"] == "user"
     if order == "route-then-import":
@@ -174,6 +185,7 @@ def test_nothing_outside_the_named_package_changes(user_packages):
     assert sibling.torch is torch and sibling.current_device is torch.cuda.current_device
     assert torch.cuda is real_cuda and torch.zeros is real_zeros and sys.modules["torch.cuda"] is real_cuda
     _cuda_as_written(sibling.place)  # the same code, unrouted, runs as written
+    _cuda_as_written(sibling.built)
     _cuda_as_written(lambda: torch.ones(1).cuda())  # and so does this test's own .cuda()
 
 
