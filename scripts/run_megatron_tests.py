@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -59,8 +60,38 @@ class Outcome:
 
 
 # ------------------------------------------------------------------------------------------ launching
+_LISTEN_PORTS_FROM = 10000
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_port_cursor = random.Random(os.getpid()).randrange(1 << 16)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port for the rendezvous store, which rank 0 binds seconds later (after its imports). It lies below
+    the kernel's ephemeral range, which gloo's connections and every other outgoing socket draw from, so
+    in between nothing but another listener can take it: a port picked from the ephemeral range was taken
+    by a gloo connection of a test running beside this one (pytest-xdist) before rank 0 bound it. Each
+    process walks the range from its own start (its pid), so two runs side by side pick different ports."""
+    global _port_cursor
+    low = _ephemeral_low()
+    for _ in range(max(low - _LISTEN_PORTS_FROM, 0)):
+        port = _LISTEN_PORTS_FROM + _port_cursor % (low - _LISTEN_PORTS_FROM)
+        _port_cursor += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -29,24 +29,19 @@ import os
 import pickle
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from scripts.run_megatron_tests import free_port  # noqa: F401 - the launchers' port, also the tests'
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 class RankFailure(AssertionError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(world_size: int, fn, *args, env: dict | None = None, timeout: float = 600.0) -> list:

@@ -33,7 +33,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
-from adapter import device
+from adapter import checkpoint_writes, device
 from adapter.training.arguments import ArgumentError
 from adapter.training.shared_outcome import shared_outcome
 from models import checkpoint_dir
@@ -120,7 +120,8 @@ def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, con
         torch.distributed.barrier()
         state = _sharded_state(args, model, optimizer, scheduler, iteration, consumed,
                                with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng)
-        dist_checkpointing.save(state, str(partial))  # ends once every rank's files are written
+        with checkpoint_writes.results_in_process():  # synchronous: no Manager process for the results
+            dist_checkpointing.save(state, str(partial))  # ends once every rank's files are written
         if rank == 0:
             checkpoint_dir.publish(partial, iteration)
     return final

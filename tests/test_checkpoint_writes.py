@@ -1,0 +1,51 @@
+"""The flow's synchronous saves collect megatron's write results in process (adapter.checkpoint_writes):
+no multiprocessing Manager is spawned at the first save, and what was saved loads back; a save outside
+the flow's scope still gets megatron's own Manager queue (which Megatron-LM's asynchronous saves need)."""
+
+import multiprocessing.process
+
+import pytest
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+from adapter import checkpoint_writes
+from tests.kernel_reference import one_rank_model_parallel
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """The names of the processes started from here on (a Manager's server is 'SyncManager-N'); megatron's
+    cached results queue, if any, put back afterwards."""
+    names, start = [], multiprocessing.process.BaseProcess.start
+
+    def recording_start(process):
+        names.append(process.name)
+        return start(process)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    return names
+
+
+def _save_and_load(directory):
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"weight": ShardedTensor.from_rank_offsets("weight", weight)}
+    dist_checkpointing.save(state, str(directory))
+    empty = {"weight": ShardedTensor.from_rank_offsets("weight", torch.zeros(3, 4))}
+    return weight, dist_checkpointing.load(empty, str(directory))["weight"]
+
+
+def test_a_synchronous_save_in_the_flows_scope_spawns_no_manager_and_loads_back(tmp_path, started):
+    with one_rank_model_parallel(), checkpoint_writes.results_in_process():
+        saved, loaded = _save_and_load(tmp_path)
+    assert torch.equal(loaded, saved)
+    assert not [name for name in started if name.startswith("SyncManager")], started
+
+
+def test_a_save_outside_the_scope_keeps_megatrons_manager_queue(tmp_path, started):
+    with one_rank_model_parallel():
+        saved, loaded = _save_and_load(tmp_path)
+    assert torch.equal(loaded, saved)
+    assert [name for name in started if name.startswith("SyncManager")], started
