@@ -31,9 +31,10 @@ setup(
     ],
     extras_require={
         # pyyaml: megatron reads per-group communicator YAML; transformers: tiny HF models to compare with
-        # import-linter: the layer contracts of .importlinter (tests/test_layers.py, CI's lint job)
-        "test": ["pytest>=7", "pyyaml", "transformers>=4.56", "safetensors", "tensorboard", "matplotlib",
-                 "import-linter>=2.1"],
+        # import-linter: the layer contracts of .importlinter (tests/test_layers.py, CI's lint job);
+        # pytest-xdist: the README's test command runs the suite in three worker processes
+        "test": ["pytest>=7", "pytest-xdist>=3.5", "pyyaml", "transformers>=4.56", "safetensors", "tensorboard",
+                 "matplotlib", "import-linter>=2.1"],
         # `python -m models.verify` runs the Hugging Face side of a converted checkpoint
         "hf": ["transformers>=4.56"],
         # --tensorboard-dir, and scripts/plot_loss.py drawing the curves
