@@ -222,3 +222,19 @@ def test_tiny_gpt_on_the_device_matches_the_torch_provider(device):
     # float32 on both sides; the device's fused kernels round differently from the reference's
     assert result["loss"] == pytest.approx(result["reference_loss"], abs=1e-4)
     assert result["max_grad_diff"] < 1e-4
+
+
+def test_modules_are_handed_out_longest_first_each_keeping_its_order(tmp_path, monkeypatch):
+    """The order pytest-xdist's loadscope hands modules out in: tests/module_seconds.json's longest first,
+    modules it does not know after them in collection order; a module's tests stay in their order."""
+    import json
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    (tmp_path / "seconds.json").write_text(json.dumps({"tests/b.py": 9.0, "tests/c.py": 3.0}))
+    monkeypatch.setattr(conftest, "MODULE_SECONDS", tmp_path / "seconds.json")
+    items = [SimpleNamespace(nodeid=n) for n in ("tests/a.py::x", "tests/b.py::y", "tests/c.py::z",
+                                                 "tests/b.py::w", "tests/d.py::v")]
+    assert [i.nodeid for i in conftest._longest_modules_first(items)] == [
+        "tests/b.py::y", "tests/b.py::w", "tests/c.py::z", "tests/a.py::x", "tests/d.py::v"]
