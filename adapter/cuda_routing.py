@@ -290,7 +290,7 @@ def _holds_device_string(instructions: list) -> bool:
         len(instructions) == 1 or instructions[-1].opname == "BUILD_STRING")
 
 
-def routed_by_the_view(callee: str) -> bool:
+def _routed_by_the_view(callee: str) -> bool:
     """Whether the strings view (or the device layer) answers ``device=`` given to ``callee`` (dotted)."""
     return callee.startswith("torch.") and (
         callee.startswith("torch.cuda.") or callee.rpartition(".")[2] in _DEVICE_TAKERS)
@@ -306,7 +306,7 @@ def _device_string_handed_on(code: types.CodeType) -> bool:
         if spans is None:
             continue
         start, end = spans[len(spans) - len(names) + names.index("device")]
-        if _holds_device_string(before[start:end]) and not routed_by_the_view(
+        if _holds_device_string(before[start:end]) and not _routed_by_the_view(
                 _dotted_load(before[spans[0][0]:spans[_CALLABLE_SLOTS - 1][1]])):
             return True
     return False

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -63,6 +64,7 @@ class Outcome:
 _LISTEN_PORTS_FROM = 10000
 
 
+@functools.cache
 def _ephemeral_low() -> int:
     """The lowest port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
     try:

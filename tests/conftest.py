@@ -73,8 +73,8 @@ def pytest_collection_modifyitems(config, items):
 MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
 
 
-def _module(item) -> str:
-    return item.nodeid.partition("::")[0]
+def _module(nodeid: str) -> str:
+    return nodeid.partition("::")[0]
 
 
 def _longest_modules_first(items: list) -> list:
@@ -85,8 +85,8 @@ def _longest_modules_first(items: list) -> list:
     seconds = json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
     first = {}
     for index, item in enumerate(items):
-        first.setdefault(_module(item), index)
-    return sorted(items, key=lambda item: (-seconds.get(_module(item), 0.0), first[_module(item)]))
+        first.setdefault(_module(item.nodeid), index)
+    return sorted(items, key=lambda item: (-seconds.get(_module(item.nodeid), 0.0), first[_module(item.nodeid)]))
 
 
 def pytest_addoption(parser):
@@ -102,7 +102,7 @@ class _ModuleSeconds:
         self.seconds = collections.Counter()
 
     def pytest_runtest_logreport(self, report):
-        self.seconds[report.nodeid.partition("::")[0]] += report.duration
+        self.seconds[_module(report.nodeid)] += report.duration
 
     def pytest_sessionfinish(self, session, exitstatus):
         if exitstatus == 0:
