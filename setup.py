@@ -32,9 +32,11 @@ setup(
     extras_require={
         # pyyaml: megatron reads per-group communicator YAML; transformers: tiny HF models to compare with
         # import-linter: the layer contracts of .importlinter (tests/test_layers.py, CI's lint job);
-        # pytest-xdist: the README's test command runs the suite in three worker processes
+        # pytest-xdist: the README's test command runs the suite in three worker processes;
+        # liger-kernel: the cuda provider's Triton kernels, run on CPU tensors by Triton's interpreter (Triton
+        # comes with torch's CUDA build, which pip installs on Python 3.12; the 3.10/3.11 CPU build has none)
         "test": ["pytest>=7", "pytest-xdist>=3.5", "pyyaml", "transformers>=4.56", "safetensors", "tensorboard",
-                 "matplotlib", "import-linter>=2.1"],
+                 "matplotlib", "import-linter>=2.1", "liger-kernel>=0.8.5; python_version >= '3.12'"],
         # `python -m models.verify` runs the Hugging Face side of a converted checkpoint
         "hf": ["transformers>=4.56"],
         # --tensorboard-dir, and scripts/plot_loss.py drawing the curves

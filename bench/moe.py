@@ -23,7 +23,14 @@ precision regime on both sides: float32 on the CPU; on a GPU bf16 mixed precisio
 Qwen3-30B-A3B: hidden 2048, 32 heads / 4 groups of 128, 128 experts top-8, expert FFN 768, seq 4096,
 micro-batch 1). Goal: flow / transformers >= 1.5 on a GPU.
 
-Usage: python bench/moe.py [experts|flow|all] [--rounds 3] [--device cpu|cuda] [--shape small|qwen3-30b-a3b]
+``host``: the flow's host work per step against transformers' on the CPU at the ``tiny`` shape (or ``--shape``),
+where both are launch-bound as the GPU's small-shape step is: ms per step, the flow's ms per step in
+``get_batch`` (reading, collating and handing over the batch), and from one profiled run per side the aten ops
+per step with the copies and host syncs among them (``aten::_local_scalar_dense``: an ``.item()`` or a
+tensor's truth value, a sync on a GPU). Both counts are what a GPU step pays for in launches and waits.
+
+Usage: python bench/moe.py [experts|flow|all|host] [--rounds 3] [--device cpu|cuda]
+       [--shape small|qwen3-30b-a3b|tiny]
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -49,7 +57,12 @@ SHAPES = {
     # two of Qwen3-30B-A3B's layers (its config.json), its vocabulary, seq 4096
     "qwen3-30b-a3b": dict(num_layers=2, hidden_size=2048, moe_ffn_hidden_size=768, num_experts=128, topk=8,
                           heads=32, groups=4, head_dim=128, vocab_size=151936, seq_length=4096, micro_batch=1),
+    # so small that a step is host work on either side (``host``): what a GPU step waits on when launch-bound
+    "tiny": dict(num_layers=2, hidden_size=64, moe_ffn_hidden_size=64, num_experts=8, topk=2, heads=4, groups=2,
+                 head_dim=16, vocab_size=512, seq_length=64, micro_batch=2),
 }
+# ``host``: the ops counted per step (copies and host syncs: what the GPU profile's host-bound step spent on)
+HOST_OPS = ("aten::copy_", "aten::_to_copy", "aten::_local_scalar_dense", "aten::item", "aten::nonzero")
 MOE = dict(SHAPES["small"])
 _SHAPE = ["small"]  # the name of the shape MOE holds
 
@@ -187,27 +200,52 @@ def _flow_argv(iters: int, warmup: int) -> list[str]:
             *(["--bf16"] if _dtype() == torch.bfloat16 else [])]
 
 
-def run_flow(iters: int, warmup: int, profile: str | None) -> float:
+def _result(rate: float, clock) -> dict:
+    """tokens/s, and with a profile each op's calls per measured step."""
+    steps = max(len(clock.seconds), 1)
+    return {"rate": rate, "ops": {name: count / steps for name, count in clock.op_counts.items()}}
+
+
+def run_flow(iters: int, warmup: int, profile: str | None) -> dict:
     """tokens/s of the pretrain flow over ``iters`` iterations after ``warmup`` (its own log's rates); with
-    ``profile``, a torch.profiler table of the measured iterations there (bench/gpu_train.py's clock)."""
+    ``profile``, a torch.profiler table of the measured iterations there (bench/gpu_train.py's clock) and
+    each op's calls per step (the flow's whole loop between steps included)."""
     import adapter  # noqa: F401 - before megatron
     from megatron.core.enums import ModelType
 
     from adapter.training import pretrain as flow
     from bench.gpu_train import StepClock
     from adapter.training.data import train_valid_test_datasets_provider
+    from adapter.training import gpt_step
     from adapter.training.gpt_step import forward_step, model_provider
 
     clock = StepClock(_device().type, warmup, profile)
     flow.train_step = clock(flow.train_step)
-    history = flow.pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                            forward_step, argv=_flow_argv(iters, warmup))
-    clock.finish()
+    batch_seconds = _timed_batches(gpt_step)
+    history = clock.around(lambda: flow.pretrain(train_valid_test_datasets_provider, model_provider,
+                                                 ModelType.encoder_or_decoder, forward_step,
+                                                 argv=_flow_argv(iters, warmup)))
     measured = [entry["tokens_per_second"] for entry in history["train"] if entry["iteration"] > warmup]
-    return len(measured) / sum(1 / rate for rate in measured)
+    return {**_result(len(measured) / sum(1 / rate for rate in measured), clock),
+            "batch_ms": 1e3 * sum(batch_seconds[warmup:]) / max(len(batch_seconds) - warmup, 1)}
 
 
-def run_transformers(iters: int, warmup: int, profile: str | None) -> float:
+def _timed_batches(gpt_step) -> list:
+    """The seconds of each of the flow's ``get_batch`` calls (one per iteration here, one micro-batch):
+    reading, collating and handing the batch to the device, the host work of its data path."""
+    seconds, get_batch = [], gpt_step.get_batch
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        batch = get_batch(*args, **kwargs)
+        seconds.append(time.perf_counter() - start)
+        return batch
+
+    gpt_step.get_batch = timed
+    return seconds
+
+
+def run_transformers(iters: int, warmup: int, profile: str | None) -> dict:
     """tokens/s of ``Qwen3MoeForCausalLM`` trained as its Trainer does (fused AdamW, clip 1.0; on a GPU
     ``bf16=True``: float32 weights, the forward under bf16 autocast)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -237,13 +275,11 @@ def run_transformers(iters: int, warmup: int, profile: str | None) -> float:
 
     clock = StepClock(_device().type, warmup, profile)
     step = clock(train_step)
-    for _ in range(warmup + iters):
-        step()
-    clock.finish()
-    return m["micro_batch"] * m["seq_length"] * iters / sum(clock.seconds)
+    clock.around(lambda: [step() for _ in range(warmup + iters)])
+    return _result(m["micro_batch"] * m["seq_length"] * iters / sum(clock.seconds), clock)
 
 
-def _child(kind: str, iters: int, warmup: int, profile: str | None) -> float:
+def _child(kind: str, iters: int, warmup: int, profile: str | None) -> dict:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "ADAPTER_BACKEND": _device().type}
     shape = ["--shape", _SHAPE[0], "--experts", str(MOE["num_experts"]), "--topk", str(MOE["topk"]),
@@ -266,7 +302,21 @@ def bench_flow(rounds: int, iters: int, warmup: int, profile: str | None) -> dic
     for round_ in range(rounds):
         last = profile if round_ == rounds - 1 else None
         for kind in (kinds if round_ % 2 == 0 else kinds[::-1]):
-            results[kind].append(_child(kind, iters, warmup, last))
+            results[kind].append(_child(kind, iters, warmup, last)["rate"])
+    return results
+
+
+def _flow_rates(args) -> dict:
+    """bench_flow's rates, written with ``--json`` (a failed run's message there instead)."""
+    record = {"shape": _SHAPE[0], "device": _device().type}
+    try:
+        results = bench_flow(args.rounds, args.iters, args.warmup, args.profile)
+    except SystemExit as failure:
+        if args.json:
+            Path(args.json).write_text(json.dumps({**record, "error": str(failure)[-4000:]}, indent=1))
+        raise
+    if args.json:
+        Path(args.json).write_text(json.dumps({**record, **results}, indent=1))
     return results
 
 
@@ -285,12 +335,41 @@ def print_flow(results: dict, iters: int, warmup: int) -> None:
     print("goal on a GPU: flow / transformers >= 1.5")
 
 
+def bench_host(rounds: int, iters: int, warmup: int, profile: str | None) -> dict:
+    """The ``tiny`` shape on the CPU, where both sides' steps are host work: step time per round (no
+    profiler), then one profiled run per side for its ops per step (its table kept in ``profile``)."""
+    rates = bench_flow(rounds, iters, warmup, None)
+    with tempfile.TemporaryDirectory(prefix="moe-host-") as folder:
+        runs = {kind: _child(kind, iters, warmup, profile or folder) for kind in rates}
+    return {"rates": rates, "ops": {kind: run["ops"] for kind, run in runs.items()},
+            "batch_ms": runs["flow"]["batch_ms"]}
+
+
+def print_host(result: dict, iters: int, warmup: int) -> None:
+    rates, ops = result["rates"], result["ops"]
+    step_ms = {kind: 1e3 * MOE["micro_batch"] * MOE["seq_length"] / max(r) for kind, r in rates.items()}
+    print(f"host work per step, {_SHAPE[0]} MoE {MOE}, CPU float32, {torch.get_num_threads()} threads, "
+          f"{warmup} warm-up + {iters} measured iterations, best of {len(rates['flow'])} rounds; ops per step from "
+          "one profiled run")
+    header = ["run", "ms/step", "/ transformers", "batch ms/step", "aten ops", *HOST_OPS]
+    print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
+    for kind in rates:
+        aten = sum(count for name, count in ops[kind].items() if name.startswith("aten::"))
+        batch = f"{result['batch_ms']:.2f}" if kind == "flow" else "-"
+        cells = [kind, f"{step_ms[kind]:.1f}", f"{step_ms[kind] / step_ms['transformers']:.2f}", batch, f"{aten:.0f}",
+                 *(f"{ops[kind].get(name, 0):.0f}" for name in HOST_OPS)]
+        print("| " + " | ".join(cells) + " |")
+    for kind in rates:
+        top = sorted(((c, n) for n, c in ops[kind].items() if n.startswith("aten::")), reverse=True)[:12]
+        print(f"{kind}: most called per step: " + ", ".join(f"{n[6:]} {c:.0f}" for c, n in top))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", choices=["experts", "flow", "all"], default="all")
+    parser.add_argument("what", nargs="?", choices=["experts", "flow", "all", "host"], default="all")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens routed to the experts (x top-k rows)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="small", help="the model's shape (both parts)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="the model's shape (default: small; host: tiny)")
     parser.add_argument("--experts", type=int, help="how many experts (default: the shape's)")
     parser.add_argument("--topk", type=int, help="experts per token (default: the shape's)")
     parser.add_argument("--expert-ffn", type=int, help="expert FFN (default: the shape's)")
@@ -300,26 +379,31 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], help="where to run (sets ADAPTER_BACKEND; default cpu)")
     parser.add_argument("--profile", help="flow: a folder for torch.profiler tables of the last round's runs "
                                           "(in a child: the table's file)")
+    parser.add_argument("--json", help="flow: a file for the rates (or the failure) for bench/gpu_goals.py")
     parser.add_argument("--child", choices=["flow", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.what == "host" and (args.device or "cpu") != "cpu":
+        parser.error("host measures the CPU at the tiny shape: leave out --device")
     if args.device:
         os.environ["ADAPTER_BACKEND"] = args.device
     os.environ.setdefault("ADAPTER_BACKEND", "cpu")
-    _SHAPE[0] = args.shape
+    _SHAPE[0] = args.shape or ("tiny" if args.what == "host" else "small")
     MOE.clear()
-    MOE.update(SHAPES[args.shape])
+    MOE.update(SHAPES[_SHAPE[0]])
     given = dict(num_experts=args.experts, topk=args.topk, moe_ffn_hidden_size=args.expert_ffn)
     MOE.update({name: value for name, value in given.items() if value is not None})
     if args.child:
         run = run_flow if args.child == "flow" else run_transformers
         print("RESULT " + json.dumps(run(args.iters, args.warmup, args.profile)), flush=True)
         return
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    if args.what == "host":
+        return print_host(bench_host(args.rounds, args.iters, args.warmup, args.profile), args.iters, args.warmup)
     if args.what in ("experts", "all"):
         print_experts(bench_experts(args.rounds, args.tokens, args.repeats))
     if args.what in ("flow", "all"):
-        if args.profile:
-            Path(args.profile).mkdir(parents=True, exist_ok=True)
-        print_flow(bench_flow(args.rounds, args.iters, args.warmup, args.profile), args.iters, args.warmup)
+        print_flow(_flow_rates(args), args.iters, args.warmup)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ Exits 0 whatever the ratio (a benchmark, not a test); 1 when a run fails.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -60,6 +61,7 @@ def measure(args) -> dict:
     env = {**os.environ, "ADAPTER_BACKEND": args.device, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     times = {"imports": [], "flow": []}
     phases: list[str] = []
+    first: list[float] = []  # the flow's own launch-to-first-iteration seconds
     with tempfile.TemporaryDirectory(prefix="startup-") as tmp:
         script = Path(tmp) / "imports_only.py"
         script.write_text(IMPORTS)
@@ -73,7 +75,8 @@ def measure(args) -> dict:
                 times[kind].append(seconds)
                 found = PHASES.search(out)
                 phases.append(found.group(2) if found else "(no start-up line)")
-    return {"times": times, "phases": phases}
+                first += [float(found.group(1))] if found else []
+    return {"times": times, "phases": phases, "first_iteration": first}
 
 
 def main() -> int:
@@ -83,9 +86,14 @@ def main() -> int:
     parser.add_argument("--model", default="qwen2.5-tiny")
     parser.add_argument("--cold", action="store_true", help="an empty torch.compile cache for every flow run")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--json", help="a file for the medians and the flow's own launch-to-first-iteration "
+                                       "seconds (bench/gpu_goals.py)")
     args = parser.parse_args()
     result = measure(args)
     imports, flow = (statistics.median(result["times"][k]) for k in ("imports", "flow"))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": args.device, "cold": args.cold, "imports": imports,
+                                               "flow": flow, "first_iteration": result["first_iteration"]}, indent=1))
     load = os.getloadavg()[0]
     cache = "cold" if args.cold else "warm"
     for phases in result["phases"]:

@@ -29,9 +29,15 @@ def wgrad_gemm_accum_fp32(input, grad_output, main_grad):
     if input.dtype == main_grad.dtype:
         main_grad.addmm_(grad_t, input)
     elif main_grad.is_cuda:
-        torch.addmm(main_grad, grad_t, input, out_dtype=main_grad.dtype, out=main_grad)
+        addmm_into_fp32(main_grad, grad_t, input)
     else:  # torch has addmm's out_dtype on CUDA only; the CPU (tests) upcasts
         main_grad.addmm_(grad_t.to(main_grad.dtype), input.to(main_grad.dtype))
+
+
+def addmm_into_fp32(main_grad, grad_t, input):
+    """``main_grad += grad_t @ input`` in one GEMM from half-precision operands, accumulated and written in
+    float32 (CUDA; the meta device checks the same call's shapes and dtypes)."""
+    torch.addmm(main_grad, grad_t, input, out_dtype=main_grad.dtype, out=main_grad)
 
 
 def wgrad_gemm_accum_fp16(input, grad_output, main_grad):

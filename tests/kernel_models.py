@@ -3,6 +3,7 @@ own local modules. Run in a fresh process so ``ADAPTER_KERNELS`` picks the provi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import adapter  # noqa: F401 - before megatron, as a user script does
@@ -17,6 +18,7 @@ from adapter import kernels
 import models
 from models.provider import transformer_config
 from tests.kernel_reference import one_rank_model_parallel
+from tests.triton_interpreter import compiler_semantics, interpreting
 
 def _megatron_local_block(config) -> TransformerBlockSubmodules:
     """megatron's local layer spec with its own norm and DotProductAttention put back."""
@@ -43,8 +45,15 @@ def _loss_and_grads(model, tokens, labels):
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+def _as_compiled(provider):
+    """The cuda provider's Liger kernels in a CPU rank run interpreted, with Triton's compiler semantics."""
+    if getattr(provider, "FUSED", None) == "liger" and interpreting():
+        return compiler_semantics()
+    return contextlib.nullcontext()
+
+
 def compare_with_megatron_local(fusion_flags: dict, flavor_name: str = "gpt-tiny") -> dict:
-    with one_rank_model_parallel():
+    with one_rank_model_parallel(), _as_compiled(kernels.current()):
         flavor = models.get(flavor_name)
         torch.manual_seed(0)
         ours = _gpt(flavor, transformer_config(flavor, **fusion_flags),
@@ -59,7 +68,8 @@ def compare_with_megatron_local(fusion_flags: dict, flavor_name: str = "gpt-tiny
         ref_loss, ref_grads = _loss_and_grads(reference, tokens, labels)
         layer = ours.decoder.layers[0]
         result = dict(
-            provider=kernels.current().NAME, loss=loss, reference_loss=ref_loss,
+            provider=kernels.current().NAME, fused=getattr(kernels.current(), "FUSED", None),
+            loss=loss, reference_loss=ref_loss,
             grad_names=sorted(grads) == sorted(ref_grads),
             max_grad_diff=max((grads[n] - ref_grads[n]).abs().max().item() for n in grads),
             modules=[type(m).__name__ for m in (layer.input_layernorm, layer.pre_mlp_layernorm,

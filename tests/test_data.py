@@ -200,7 +200,10 @@ def test_single_dataset_splits_and_mock_data(sample_data):
     global_vars.get_args().split = "90,10,0"
     train, valid, test = data.train_valid_test_datasets_provider([100, 10, 0])
     assert isinstance(train, GPTDataset) and isinstance(valid, GPTDataset) and test is None
-    assert train[0]["tokens"].shape == (16,) and train[0]["attention_mask"].shape == (1, 16, 16)
+    assert train[0]["tokens"].shape == (16,) and "attention_mask" not in train[0]  # causal models never read it
+    global_vars.get_args().create_attention_mask_in_dataloader = True
+    train, _, _ = data.train_valid_test_datasets_provider([100, 10, 0])
+    assert train[0]["attention_mask"].shape == (1, 16, 16)
     global_vars.get_args().mock_data = True
     train, _, _ = data.train_valid_test_datasets_provider([100, 10, 0])
     assert isinstance(train, MockGPTDataset)
@@ -280,18 +283,35 @@ def test_data_loader_reads_this_data_parallel_ranks_micro_batches(monkeypatch, k
 # ---------------------------------------------------------------- get_batch on ranks
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_tensor_parallel_ranks_get_the_same_batch(sample_data, tmp_path):
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no-mask", "mask"])
+def test_tensor_parallel_ranks_get_the_same_batch(sample_data, tmp_path, with_mask):
+    """Rank 1 receives rank 0's batch into the shapes the arguments give, with no exchange of sizes; the
+    [s, s] mask only where --create-attention-mask-in-dataloader asks for it."""
     prefix, model = sample_data
-    results = run_ranks(2, data_ranks.batches_on_rank, 2, 1, prefix, model, str(tmp_path / "cache"))
+    results = run_ranks(2, data_ranks.batches_on_rank, 2, 1, prefix, model, str(tmp_path / "cache"), 3, with_mask)
     assert [r["has_dataset"] for r in results] == [True, False]
     for step, expected in enumerate(results[0]["expected_tokens"]):
         first, second = (r["batches"][step] for r in results)
         assert torch.equal(first[0], expected)
         for a, b in zip(first, second):
-            assert a is not None and a.dtype == b.dtype and torch.equal(a, b)
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
         tokens, labels, loss_mask, attention_mask, position_ids = first
-        assert attention_mask.dtype == torch.bool and attention_mask.shape == (2, 1, 32, 32)
+        if with_mask:
+            assert attention_mask.dtype == torch.bool and attention_mask.shape == (2, 1, 32, 32)
+            assert torch.equal(attention_mask[0, 0], torch.ones(32, 32, dtype=torch.bool).triu(1))
+        else:
+            assert attention_mask is None
         assert loss_mask.dtype == torch.float32 and position_ids.shape == tokens.shape == labels.shape == (2, 32)
+        assert tokens.dtype == labels.dtype == position_ids.dtype == torch.int64
+
+
+def test_a_batch_of_another_shape_is_refused_on_the_reading_rank():
+    layout = data._batch_layout(argparse.Namespace(micro_batch_size=2, seq_length=32), with_attention_mask=False)
+    batch = {key: torch.zeros(2, 32) for key in layout}
+    data._check_batch_shapes(batch, layout)
+    batch["labels"] = torch.zeros(2, 31)
+    with pytest.raises(ValueError, match=r"\(2, 31\) for 'labels'.*\(2, 32\).*--seq-length"):
+        data._check_batch_shapes(batch, layout)
 
 
 @pytest.mark.multiproc

@@ -6,29 +6,35 @@ import pytest
 from tests.conftest import DOUBLES
 from tests.distributed import run_ranks
 from tests.kernel_models import compare_with_megatron_local, moe_losses
+from tests.triton_interpreter import liger_unavailable
 
 pytestmark = pytest.mark.multiproc
 
 ALL_FUSIONS = dict(apply_rope_fusion=True, bias_activation_fusion=True, masked_softmax_fusion=True,
                    cross_entropy_loss_fusion=True)
-# The cuda provider keeps megatron's RoPE and cross entropy: without Transformer Engine megatron itself
-# refuses apply_rope_fusion, and its native fused cross entropy is torch.compile'd (a GPU-run matter).
-CUDA_FUSIONS = dict(bias_activation_fusion=True, masked_softmax_fusion=True)
 
 PROVIDERS = {
     "torch": ({"ADAPTER_KERNELS": "torch"}, ALL_FUSIONS, ["TorchNorm", "TorchCoreAttention"]),
     "npu": ({"ADAPTER_KERNELS": "npu", "PYTHONPATH": str(DOUBLES)}, ALL_FUSIONS,
             ["NpuNorm", "NpuCoreAttention"]),
-    "cuda": ({"ADAPTER_KERNELS": "cuda"}, CUDA_FUSIONS, ["CudaNorm", "CudaCoreAttention"]),
 }
+# The cuda provider under each ADAPTER_CUDA_FUSED choice; without Transformer Engine it answers every flag
+# (RoPE and cross entropy included). Liger's Triton kernels run interpreted (tests/triton_interpreter.py).
+# Its ranks use CPU tensors, so Triton interprets there even on a GPU machine.
+for _choice in ("eager", "compile", "liger"):
+    PROVIDERS[f"cuda-{_choice}"] = ({"ADAPTER_KERNELS": "cuda", "ADAPTER_CUDA_FUSED": _choice,
+                                     **({"TRITON_INTERPRET": "1"} if _choice == "liger" else {})}, ALL_FUSIONS,
+                                    ["CudaNorm", "CudaCoreAttention"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PROVIDERS))
 def test_tiny_gpt_through_the_local_spec_matches_megatron_local_modules(name):
     env, fusions, (norm, attention) = PROVIDERS[name]
+    if name == "cuda-liger" and liger_unavailable():
+        pytest.skip(liger_unavailable())
     result = run_ranks(1, compare_with_megatron_local, fusions, env={"ADAPTER_BACKEND": "cpu", **env})[0]
-    assert result["provider"] == name
+    assert (result["provider"], result["fused"]) == (name.split("-")[0], env.get("ADAPTER_CUDA_FUSED"))
     assert result["modules"] == [norm, norm, attention, norm]
     assert result["grad_names"]
     assert result["loss"] == pytest.approx(result["reference_loss"], abs=1e-5)

@@ -67,9 +67,15 @@ def grouped_mm(x, weight, tokens_per_expert):
         gmm = importlib.import_module("grouped_gemm").ops.gmm
         return gmm(x, weight, _host_counts(tokens_per_expert), trans_b=True)
     if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16 and not (x.shape[-1] % 8 or weight.shape[1] % 8):
-        return torch.nn.functional.grouped_mm(x.contiguous(), weight.transpose(1, 2),
-                                              offs=_group_ends(tokens_per_expert, x.device))
+        return torch_grouped_mm(x, weight, tokens_per_expert)
     return torch_provider.grouped_mm(x, weight, tokens_per_expert)
+
+
+def torch_grouped_mm(x, weight, tokens_per_expert):
+    """torch's grouped GEMM over the stacked weight, forward and backward: what ``grouped_mm`` runs for
+    CUDA bfloat16. torch has a CPU kernel for it too, which is how the CPU suite checks this call."""
+    return torch.nn.functional.grouped_mm(x.contiguous(), weight.transpose(1, 2),
+                                          offs=_group_ends(tokens_per_expert, x.device))
 
 
 def _host_counts(tokens_per_expert) -> torch.Tensor:
@@ -81,11 +87,12 @@ def _host_counts(tokens_per_expert) -> torch.Tensor:
 
 def _group_ends(tokens_per_expert, device: torch.device) -> torch.Tensor:
     """torch's grouped GEMM ``offs``: int32 cumulative row ends on the device, summed there. Counts
-    given as a list go up from pinned memory without blocking the host, as one copy of E ints."""
+    given as a list go up to a GPU from pinned memory without blocking the host, as one copy of E ints."""
     if torch.is_tensor(tokens_per_expert):
         counts = tokens_per_expert.to(device, non_blocking=True)
     else:
-        counts = torch.tensor(tokens_per_expert, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
+        pinned = device.type == "cuda"  # pinning needs a GPU; CPU counts are where they are used
+        counts = torch.tensor(tokens_per_expert, dtype=torch.int32, pin_memory=pinned).to(device, non_blocking=True)
     return counts.cumsum(0, dtype=torch.int32)
 
 
@@ -213,14 +220,19 @@ def _liger_rms_norm(x, weight, eps):
 
 def _liger_swiglu(input, bias, fp8_input_store=False, cpu_offload_input=False):
     """megatron's ``bias_swiglu_impl`` (bias-free, as Qwen's MLP) on Liger's gate-up SwiGLU, which reads the
-    fc1 output [..., 2 * ffn] as it is; a bias, fp8 input store or CPU offload go to megatron's own."""
+    fc1 output [..., 2 * ffn] in place; a bias, fp8 input store or CPU offload go to megatron's own.
+
+    Liger's function computes on a 2-D view [rows, 2 * ffn] and hands back a gradient of that shape, which
+    autograd refuses for a 3-D input (liger-kernel 0.8.5): it gets the 2-D view, as megatron's own
+    ``bias_swiglu_impl`` gives its kernel, and megatron gets its [s, b, ffn] back (views, no copies)."""
     if bias is not None or fp8_input_store or cpu_offload_input:
         from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 
         return bias_swiglu_impl(input, bias, fp8_input_store, cpu_offload_input)
     from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
 
-    return LigerFusedGateUpSiLUMulFunction.apply(input)
+    rows = LigerFusedGateUpSiLUMulFunction.apply(input.reshape(-1, input.shape[-1]))
+    return rows.view(*input.shape[:-1], rows.shape[-1])
 
 
 def _elementwise_kernels(choice: str) -> tuple:

@@ -246,9 +246,12 @@ def _data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--create-attention-mask-in-dataloader", action="store_true",
+                   help="make an [s, s] attention mask per sample and broadcast it with the batch (Megatron-LM's "
+                        "default); the flow's causal models never read it, so it is off unless asked for")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
-                   dest="create_attention_mask_in_dataloader",
-                   help="causal attention needs no [s, s] mask per sample: skip making and broadcasting it")
+                   dest="create_attention_mask_in_dataloader", default=False,
+                   help="the default here (Megatron-LM's flag, accepted)")
 
 
 def _checkpointing(parser: argparse.ArgumentParser) -> None:

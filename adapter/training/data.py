@@ -15,7 +15,7 @@ import logging
 import os
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
@@ -77,7 +77,10 @@ def _blend(data_path):
 
 
 def _creates_attention_mask(args: argparse.Namespace) -> bool:
-    return getattr(args, "create_attention_mask_in_dataloader", True)
+    """Off unless asked for (``--create-attention-mask-in-dataloader``): the models the flow trains are causal,
+    and causal attention never reads the [s, s] mask (megatron's Transformer Engine attention ignores it too).
+    Made, it is a [1, s, s] tensor per sample for the loader to build, pin, copy up and broadcast every step."""
+    return getattr(args, "create_attention_mask_in_dataloader", False)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
@@ -208,17 +211,44 @@ def this_cp_rank_part(batch: dict) -> dict:
     return get_batch_on_this_cp_rank(batch, cp_group=group)
 
 
+def _batch_layout(args: argparse.Namespace, with_attention_mask: bool) -> dict:
+    """Each key of a batch: its shape and the dtype it travels in (the boolean mask as uint8, which every
+    collective library carries)."""
+    tokens = (args.micro_batch_size, args.seq_length)
+    layout = {key: (tokens, torch.int64) for key in _INT_KEYS} | {"loss_mask": (tokens, torch.float32)}
+    if with_attention_mask:
+        layout["attention_mask"] = ((args.micro_batch_size, 1, args.seq_length, args.seq_length), torch.uint8)
+    return layout
+
+
 def _broadcast_batch(data_iterator, with_attention_mask: bool) -> dict:
-    """One broadcast per dtype (megatron's broadcast_data sends each group of one dtype as one flat tensor); the
-    boolean mask travels as uint8, which every collective library carries."""
-    data = {}
+    """The tensor-parallel group's batch on this backend's device. Rank 0 reads it and copies it up without
+    blocking (the loader pins it where there is an accelerator); above TP 1 it broadcasts each tensor in the
+    shape every rank knows from the arguments, as Megatron-LM's get_batch does. megatron's broadcast_data
+    would first broadcast the sizes and read them back to the host, a sync and a loop of scalar reads per
+    call, and copy the batch up twice."""
+    layout = _batch_layout(get_args(), with_attention_mask)
+    target = device.torch_device()
     if parallel_state.get_tensor_model_parallel_rank() == 0:
         data = next(data_iterator)
-        if with_attention_mask:
-            data["attention_mask"] = data["attention_mask"].to(torch.uint8)
-    batch = tensor_parallel.broadcast_data(_INT_KEYS, data, torch.int64)
-    batch.update(tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32))
+        _check_batch_shapes(data, layout)
+        batch = {key: data[key].to(target, dtype, non_blocking=True) for key, (_, dtype) in layout.items()}
+    else:
+        batch = {key: torch.empty(shape, dtype=dtype, device=target) for key, (shape, dtype) in layout.items()}
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        source = parallel_state.get_tensor_model_parallel_src_rank()
+        for key in layout:
+            torch.distributed.broadcast(batch[key], source, group=parallel_state.get_tensor_model_parallel_group())
     if with_attention_mask:
-        mask = tensor_parallel.broadcast_data(["attention_mask"], data, torch.uint8)["attention_mask"]
-        batch["attention_mask"] = mask.bool()
-    return {key: value.to(device.torch_device()) for key, value in batch.items()}
+        batch["attention_mask"] = batch["attention_mask"].bool()
+    return batch
+
+
+def _check_batch_shapes(data: dict, layout: dict) -> None:
+    """The loader's batch in the shapes the other tensor-parallel ranks receive into, or one clear error
+    here instead of a broadcast that would hang or mix data."""
+    for key, (shape, _) in layout.items():
+        if key not in data or tuple(data[key].shape) != shape:
+            got = tuple(data[key].shape) if key in data else "nothing"
+            raise ValueError(f"the data loader's batch has {got} for {key!r}, where --micro-batch-size and "
+                             f"--seq-length make {shape}: the dataset's samples must be --seq-length tokens")
