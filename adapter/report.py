@@ -53,6 +53,10 @@ FUNCTION_OPS = {
     "cross_entropy": ("vocab_parallel_cross_entropy",
                       "fused_cross_entropy.fused_vocab_parallel_cross_entropy (native or Transformer Engine's)",
                       "cross_entropy_loss_fusion=True"),
+    **{op: (attr, f"gated_delta_net's {attr} (flash-linear-attention's; without it GatedDeltaNet is refused)",
+            "megatron's GatedDeltaNet (Qwen3.5, Qwen3-Next)")
+       for op, attr in (("gated_delta_rule", "chunk_gated_delta_rule"), ("causal_conv1d", "causal_conv1d"),
+                        ("l2norm", "l2norm"))},
 }
 SPEC_ROUTE = "megatron's get_gpt_layer_local_spec (LocalSpecProvider)"
 # packages a megatron-core wheel may lack (megatron.training before 0.17, megatron.legacy always): patches into

@@ -29,7 +29,7 @@ INSTALLED_CORE = importlib.metadata.version("megatron-core")
 WHEEL_SHIPS_TRAINING = "megatron/training/__init__.py" in {
     f.as_posix() for f in importlib.metadata.files("megatron-core")}
 OPS = {"rms_norm", "layer_norm", "swiglu", "rope", "rope_thd", "softmax", "cross_entropy", "core_attention",
-       "norm_module", "grouped_gemm", "moe_permute"}
+       "norm_module", "grouped_gemm", "moe_permute", "gated_delta_rule", "causal_conv1d", "l2norm"}
 
 
 def _run_cli(*args: str, backend: str = "cpu", pythonpath: str | None = None) -> subprocess.CompletedProcess:

@@ -11,6 +11,8 @@
 - ``cross_entropy_loss_fusion`` without Transformer Engine: the adapter's one-function cross entropy
   (adapter/kernels/cross_entropy.py: no float32 copy of the logits kept apart from the softmax it saves,
   no host sync, no boolean-mask writes), where megatron's unfused one syncs the host on its masks.
+- Gated DeltaNet: flash-linear-attention's kernels where installed (megatron's own binding), else the
+  torch provider's (adapter/kernels/gated_delta.py).
 
 It also runs on CPU tensors (SDPA's CPU kernels), which is how its argument building is tested here.
 """
@@ -34,6 +36,7 @@ HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 HAVE_SOFTMAX_EXTENSION = importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
 HAVE_GROUPED_GEMM = importlib.util.find_spec("grouped_gemm") is not None
 HAVE_LIGER = importlib.util.find_spec("liger_kernel") is not None
+HAVE_FLA = importlib.util.find_spec("fla") is not None
 FUSED_ENV = "ADAPTER_CUDA_FUSED"
 FUSED_CHOICES = ("liger", "compile", "eager")
 
@@ -247,6 +250,15 @@ def _elementwise_kernels(choice: str) -> tuple:
     return torch.compile(torch_provider._eager_rms_norm, dynamic=False), compiled_rope, None
 
 
+def gated_delta_kernels(fla_runs: bool) -> tuple:
+    """(chunk_gated_delta_rule, causal_conv1d, l2norm) for megatron's GatedDeltaNet: None each where
+    flash-linear-attention runs, which megatron binds itself (its Triton kernels take CUDA tensors: on the cuda
+    backend only), else the torch provider's."""
+    if fla_runs:
+        return None, None, None
+    return torch_provider.chunk_gated_delta_rule, torch_provider.causal_conv1d, torch_provider.l2norm
+
+
 FUSED, FUSED_WHY = fused_elementwise(os.environ.get(FUSED_ENV), HAVE_LIGER, _backend.current().name == "cuda")
 _rms_norm, _rope, _swiglu = _elementwise_kernels(FUSED)
 
@@ -261,5 +273,6 @@ bias_swiglu = None if HAVE_TE else _swiglu
 rope = None if HAVE_TE else _rope
 rope_thd = None if HAVE_TE else torch_provider.rope_thd
 vocab_parallel_cross_entropy = None if HAVE_TE else cross_entropy.vocab_parallel_cross_entropy
+chunk_gated_delta_rule, causal_conv1d, l2norm = gated_delta_kernels(HAVE_FLA and _backend.current().name == "cuda")
 
 complete(globals())  # the base's defaults for the rest, and the norm class CudaNorm

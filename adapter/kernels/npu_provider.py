@@ -278,4 +278,10 @@ def grouped_mm(x, weight, tokens_per_expert):
     return _GroupedMatmul.apply(x.contiguous(), _group_ends(tokens_per_expert, x.device), weight)
 
 
+# Gated DeltaNet: torch_npu documents no op for the gated delta rule, the causal convolution or the L2 norm
+# (../shared/reference/torch_npu.md); torch's ops run them on the NPU
+chunk_gated_delta_rule = torch_provider.chunk_gated_delta_rule
+causal_conv1d = torch_provider.causal_conv1d
+l2norm = torch_provider.l2norm
+
 complete(globals())  # the base's defaults for the rest, and the norm class NpuNorm

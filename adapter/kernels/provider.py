@@ -33,10 +33,13 @@ def installed_grouped_linear():
 
 
 # An entry of None leaves megatron's own implementation in place (patches/kernels.py binds nothing for it).
+# Gated DeltaNet's kernels (chunk_gated_delta_rule, causal_conv1d, l2norm) take flash-linear-attention's
+# interfaces; None leaves megatron's own, which is flash-linear-attention where installed, else a refusal.
 DEFAULTS = {"installed_norm": installed_norm, "installed_core_attention": installed_core_attention,
             "installed_grouped_linear": installed_grouped_linear, "bias_swiglu": None, "rope": None,
             "rope_thd": None, "softmax_fusable": None, "scaled_masked_softmax": None,
-            "vocab_parallel_cross_entropy": None}
+            "vocab_parallel_cross_entropy": None, "chunk_gated_delta_rule": None, "causal_conv1d": None,
+            "l2norm": None}
 
 # Every name a provider module has once completed: ``Norm`` (the norm class over its rms_norm/layer_norm)
 # and ``merge_with_lse`` (ring attention's merge of two blocks) default to what ``complete`` builds.

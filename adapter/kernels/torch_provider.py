@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from adapter import backend as _backend
-from adapter.kernels import UnsupportedKernelSetting, cross_entropy
+from adapter.kernels import UnsupportedKernelSetting, cross_entropy, gated_delta
 from adapter.kernels import moe_permute as _moe_permute
 from adapter.kernels.provider import complete
 
@@ -354,5 +354,9 @@ def looped_grouped_mm(x, weight, tokens_per_expert):
 grouped_mm = looped_grouped_mm
 # moe_permute_fusion: TE's interface over torch index ops (tokens in megatron's unfused order)
 moe_permute = _moe_permute
+# Gated DeltaNet (Qwen3.5, Qwen3-Next) without flash-linear-attention: the rule by chunks, the convolution
+chunk_gated_delta_rule = gated_delta.chunk_gated_delta_rule
+causal_conv1d = gated_delta.causal_conv1d
+l2norm = gated_delta.l2norm
 
 complete(globals())  # the base's defaults for the rest, and the norm class TorchNorm
