@@ -31,6 +31,10 @@ import dataclasses
 from adapter.parallel import ModelShape, ParallelConfigError, check_sizes
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+# a hybrid model's token mixers (Hugging Face's layer_types): Gated DeltaNet, or softmax attention
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+HYBRID_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                 "linear_num_value_heads")
 ACTIVATIONS = ("swiglu", "gelu")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -79,6 +83,21 @@ class ModelConfig:
     # the load-balancing loss coefficient the model was published with (HF router_aux_loss_coef), which a
     # training run uses unless told otherwise (megatron's moe_aux_loss_coeff)
     moe_aux_loss_coeff: float = 0.0
+    # Hybrid models (Qwen3.5, Qwen3-Next; megatron's HybridModel): each layer's token mixer, LINEAR_ATTENTION
+    # (Gated DeltaNet) or FULL_ATTENTION, then its MLP or MoE block; None is a GPT stack (attention everywhere)
+    layer_types: tuple[str, ...] | None = None
+    # Gated DeltaNet's sizes, megatron's linear_* fields (hybrid models only; the defaults are megatron's)
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    # the attention output times sigmoid(a per-head gate projected beside the queries) (Qwen3-Next, Qwen3.5)
+    attention_output_gate: bool = False
+    # every norm stores gamma - 1 and scales by 1 + weight (megatron's layernorm_zero_centered_gamma)
+    zero_centered_norm: bool = False
+    # the share of each head's dimensions RoPE turns (HF partial_rotary_factor; megatron's rotary_percent)
+    rotary_percent: float = 1.0
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -104,6 +123,9 @@ class ModelConfig:
         # shared expert as None (megatron's "none"; 0 reads the same)
         if isinstance(self.moe_layer_freq, list):
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        self._check_mixers()
         if self.moe_shared_expert_intermediate_size == 0:
             object.__setattr__(self, "moe_shared_expert_intermediate_size", None)
         if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
@@ -113,6 +135,26 @@ class ModelConfig:
         else:
             self._check_experts()
             self._check_router()
+
+    def _check_mixers(self) -> None:
+        if not 0 < self.rotary_percent <= 1:
+            raise ModelConfigError(f"rotary_percent={self.rotary_percent!r}: a share of the head, in (0, 1]")
+        if self.layer_types is None:
+            given = [f"{name}={getattr(self, name)!r}" for name in HYBRID_FIELDS
+                     if getattr(self, name) != _FIELD_DEFAULTS[name]]
+            if given:
+                raise ModelConfigError(f"{', '.join(given)} without layer_types: Gated DeltaNet sizes are for hybrid "
+                                       "models; set layer_types or leave them at their defaults")
+            return
+        kinds = set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION}
+        if len(self.layer_types) != self.num_layers or kinds:
+            raise ModelConfigError(f"layer_types={list(self.layer_types)}: one of {LINEAR_ATTENTION!r} or "
+                                   f"{FULL_ATTENTION!r} per layer, {self.num_layers} in all")
+        for name in HYBRID_FIELDS:
+            _positive(name, getattr(self, name))
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ModelConfigError(f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                                   f"linear_num_key_heads={self.linear_num_key_heads}")
 
     def _check_dense(self) -> None:
         """A dense model carries no expert settings: one set without ``num_experts`` is a mistake, not a
@@ -216,20 +258,48 @@ class ModelConfig:
         included."""
         h = self.hidden_size
         norm = 2 * h if self.normalization == "LayerNorm" else h
-        layers = sum(self.layer_parameters(moe) for moe in self.moe_layer_pattern())
+        layers = sum(self.layer_parameters(moe, mixer) for moe, mixer in zip(self.moe_layer_pattern(), self.mixers()))
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         positions = self.max_position_embeddings * h if self.position_embedding == "learned_absolute" else 0
         return layers + norm + embeddings + positions
 
-    def layer_parameters(self, moe: bool) -> int:
-        """One transformer layer's parameters: attention, norms and a dense MLP or a MoE block."""
+    @property
+    def megatron_num_layers(self) -> int:
+        """megatron's layer count: a hybrid model's token mixers and MLP/MoE blocks are layers of their own."""
+        return 2 * self.num_layers if self.layer_types else self.num_layers
+
+    def megatron_moe_layers(self) -> dict[int, int]:
+        """megatron's 0-based index of each MoE layer -> this model's layer it belongs to."""
+        step = 2 if self.layer_types else 1
+        return {step * i + step - 1: i for i, moe in enumerate(self.moe_layer_pattern()) if moe}
+
+    def mixers(self) -> tuple[str, ...]:
+        """Each layer's token mixer: ``layer_types``, or attention in every layer of a GPT stack."""
+        return self.layer_types or (FULL_ATTENTION,) * self.num_layers
+
+    def layer_parameters(self, moe: bool, mixer: str = FULL_ATTENTION) -> int:
+        """One layer's parameters: its two norms, its token mixer and a dense MLP or a MoE block."""
+        norm = 2 * self.hidden_size if self.normalization == "LayerNorm" else self.hidden_size
+        mixing = self.attention_parameters() if mixer == FULL_ATTENTION else self.gated_delta_net_parameters()
+        return 2 * norm + mixing + (self.moe_parameters() if moe else self.mlp_parameters(self.ffn_hidden_size))
+
+    def attention_parameters(self) -> int:
+        """Attention: the QKV projection (with the output gate's rows beside the queries, if any), its bias,
+        the QK norms and the output projection with its bias."""
         h, d = self.hidden_size, self.head_dim
-        qkv_rows = (self.num_attention_heads + 2 * self.num_query_groups) * d
-        norm = 2 * h if self.normalization == "LayerNorm" else h
+        qkv_rows = (self.num_attention_heads * (2 if self.attention_output_gate else 1) + 2 * self.num_query_groups) * d
         qk_norms = 2 * (2 * d if self.normalization == "LayerNorm" else d) if self.qk_layernorm else 0
-        attention = (qkv_rows * h + self.num_attention_heads * d * h + (qkv_rows if self.add_qkv_bias else 0)
-                     + (h if self.add_bias_linear else 0) + qk_norms)
-        return 2 * norm + attention + (self.moe_parameters() if moe else self.mlp_parameters(self.ffn_hidden_size))
+        return (qkv_rows * h + self.num_attention_heads * d * h + (qkv_rows if self.add_qkv_bias else 0)
+                + (h if self.add_bias_linear else 0) + qk_norms)
+
+    def gated_delta_net_parameters(self) -> int:
+        """Gated DeltaNet: the input projection to q, k, v, the output gate z and each value head's beta and
+        decay rate, the causal convolution over q, k and v, each value head's A_log and dt_bias, the output
+        norm over a value head, and the output projection."""
+        qk = self.linear_key_head_dim * self.linear_num_key_heads
+        v, heads = self.linear_value_head_dim * self.linear_num_value_heads, self.linear_num_value_heads
+        return ((2 * qk + 2 * v + 2 * heads) * self.hidden_size + (2 * qk + v) * self.linear_conv_kernel_dim
+                + 2 * heads + self.linear_value_head_dim + v * self.hidden_size)
 
     def mlp_parameters(self, ffn: int) -> int:
         """An MLP of FFN size ``ffn``: FC1 (two halves with SwiGLU) and FC2, with their biases if any."""
@@ -244,6 +314,9 @@ class ModelConfig:
         shared = self.moe_shared_expert_intermediate_size
         return (router + self.num_experts * self.mlp_parameters(self.expert_ffn_hidden_size)
                 + (self.mlp_parameters(shared) if shared else 0) + (h if self.moe_shared_expert_gate else 0))
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 def _positive(name: str, value) -> None:

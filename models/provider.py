@@ -21,7 +21,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec,
 from megatron.core.transformer import TransformerConfig
 
 from . import get as named_model
-from .config import ModelConfig, ModelConfigError
+from .config import HYBRID_FIELDS, ModelConfig, ModelConfigError
+from .hybrid import build_hybrid_model
 
 _ACTIVATIONS = {"swiglu": (F.silu, True), "gelu": (F.gelu, False)}
 
@@ -45,6 +46,8 @@ def transformer_config(model: ModelConfig, **overrides) -> TransformerConfig:
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
+        attention_output_gate=model.attention_output_gate,
+        layernorm_zero_centered_gamma=model.zero_centered_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
@@ -60,6 +63,8 @@ def transformer_config(model: ModelConfig, **overrides) -> TransformerConfig:
     )
     if model.num_experts is not None:
         settings.update(_moe_settings(model))
+    if model.layer_types is not None:
+        settings.update(_hybrid_settings(model))
     settings.update(overrides)
     model.check_layout(settings["tensor_model_parallel_size"], settings["pipeline_model_parallel_size"],
                        settings["virtual_pipeline_model_parallel_size"], settings.get("expert_model_parallel_size", 1),
@@ -88,6 +93,12 @@ def _moe_settings(model: ModelConfig) -> dict:
     )
 
 
+def _hybrid_settings(model: ModelConfig) -> dict:
+    """A hybrid model's TransformerConfig fields: megatron counts the token mixers and the MLP blocks as
+    layers of their own (models/hybrid.py); Gated DeltaNet's sizes."""
+    return dict(num_layers=2 * model.num_layers, **{name: getattr(model, name) for name in HYBRID_FIELDS})
+
+
 def build_model(model: ModelConfig, config: TransformerConfig, vp_stage: int | None = None,
                 pre_process: bool | None = None, post_process: bool | None = None) -> GPTModel:
     """The GPTModel chunk of this pipeline rank (and virtual stage ``vp_stage``)."""
@@ -95,6 +106,8 @@ def build_model(model: ModelConfig, config: TransformerConfig, vp_stage: int | N
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if model.layer_types is not None:
+        return build_hybrid_model(model, config, vp_stage, pre_process, post_process)
     if model.num_experts is None:
         spec = get_gpt_layer_local_spec(normalization=model.normalization, qk_layernorm=model.qk_layernorm)
     else:

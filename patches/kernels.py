@@ -19,6 +19,8 @@ _BACKENDS = "megatron.core.models.backends:LocalSpecProvider"
 _ROPE = "megatron.core.models.common.embeddings.rope_utils"
 _SOFTMAX = "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax"
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+_HYBRID_BLOCK = "megatron.core.models.hybrid.hybrid_block"
+_HYBRID_VERSIONS = ">=0.18,<=0.19.2"
 # What moe_utils imports from Transformer Engine and checks by ``not HAVE_TE or <name> is None``
 MOE_PERMUTE_NAMES = ("fused_permute", "fused_permute_with_probs", "fused_unpermute", "fused_sort_chunks_by_index",
                      "fused_sort_chunks_by_index_with_probs")
@@ -125,6 +127,11 @@ def register(registry, versions: str) -> None:
                        "megatron.core.models.gpt.gpt_layer_specs:LNImpl"):
             registry.replace(target, provider.Norm, versions=versions, rebind_copies=False,
                              reason="the final norm of a block built from a layer spec is the provider's")
+        # megatron-core 0.18 brought HybridModel, whose stack builds its final norm as TENorm whatever the spec
+        if Version(installed_megatron_core_version()) >= Version("0.18"):
+            registry.replace(f"{_HYBRID_BLOCK}:TENorm", provider.Norm, versions=_HYBRID_VERSIONS,
+                             rebind_copies=False, reason="a hybrid stack's final norm (Qwen3.5, Qwen3-Next) is the "
+                                                         "provider's")
     if provider.bias_swiglu is not None:
         registry.replace("megatron.core.fusions.fused_bias_swiglu:bias_swiglu_impl", provider.bias_swiglu,
                          versions=versions, reason="bias_activation_fusion SwiGLU runs the provider's kernel")

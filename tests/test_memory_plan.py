@@ -75,7 +75,8 @@ def test_optimizer_shards_divide_by_data_parallel_size():
     assert bf16_grads.stages[0].grads == bf16_grads.stages[0].parameters * 2
 
 
-@pytest.mark.parametrize("name", models.names())
+# hybrid models (Gated DeltaNet) are refused by the plan for now: tests/test_hybrid_models.py
+@pytest.mark.parametrize("name", [name for name in models.names() if models.get(name).layer_types is None])
 def test_single_device_weights_are_the_whole_model(name):
     """Every named config, Qwen3's heads of 128 against hidden / heads and QK-norm included."""
     model = models.get(name)

@@ -309,6 +309,8 @@ def _check_plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, dp: in
                 sequence_parallel: bool, recompute: str | None, recompute_method: str,
                 recompute_num_layers: int) -> int:
     """Refuse what megatron would; returns the number of micro-batches per step."""
+    _check(model.layer_types is None, "the memory plan does not yet count a hybrid model's Gated DeltaNet layers "
+                                      "(layer_types): plan a GPT model, or size this one from a short run")
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp), ("ep", ep), ("etp", etp),
                         ("micro_batch_size", micro_batch_size), ("global_batch_size", global_batch_size),
                         ("seq_length", seq_length), ("recompute_num_layers", recompute_num_layers)):

@@ -22,21 +22,30 @@ from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 from megatron.core.transformer.moe.router import TopKRouter
 
 from adapter import device
+from models.config import FULL_ATTENTION
 
 
 def model_flops_per_token(model, seq_length: int) -> float:
-    """Training FLOPs per token of ``model`` (a ModelConfig) at ``seq_length``."""
-    h, layers = model.hidden_size, model.num_layers
-    width = model.num_attention_heads * model.head_dim  # the attention's, which Qwen3 sets apart from h
-    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim * h
+    """Training FLOPs per token of ``model`` (a ModelConfig) at ``seq_length``: 6 x the matmul parameters a
+    token passes through, plus each attention layer's scores and weighted sum over the whole sequence
+    (12 x seq x width, s x s not halved for causality), plus each Gated DeltaNet layer's state work (per value
+    head the decay-and-correct update, the error and the readout, 2 dk dv FLOPs each, x 3 for training)."""
+    h, width = model.hidden_size, model.num_attention_heads * model.head_dim
+    qkv = (model.num_attention_heads * (2 if model.attention_output_gate else 1)
+           + 2 * model.num_query_groups) * model.head_dim * h
+    attention = qkv + width * h
+    gdn_proj = model.gated_delta_net_parameters() - model.linear_value_head_dim  # no norm weight
+    gdn_state = 3 * 3 * 2 * model.linear_key_head_dim * model.linear_value_head_dim * model.linear_num_value_heads
 
     def mlp(ffn: int | None) -> int:
         return (3 if model.activation == "swiglu" else 2) * h * ffn if ffn else 0
 
     moe = model.moe_router_topk * mlp(model.expert_ffn_hidden_size) + mlp(model.moe_shared_expert_intermediate_size)
     mlps = sum(moe if is_moe else mlp(model.ffn_hidden_size) for is_moe in model.moe_layer_pattern())
-    matmul_params = layers * (qkv + width * h) + mlps + model.vocab_size * h  # the output layer
-    return 6 * matmul_params + 6 * 2 * layers * seq_length * width
+    full = sum(mixer == FULL_ATTENTION for mixer in model.mixers())
+    linear = model.num_layers - full
+    matmul_params = full * attention + linear * gdn_proj + mlps + model.vocab_size * h  # with the output layer
+    return 6 * matmul_params + 6 * 2 * full * seq_length * width + linear * gdn_state
 
 
 def aux_loss_names(args) -> list[str]:
@@ -68,8 +77,9 @@ class ExpertMetrics:
         config = args.model_config
         self.args = args
         self.names = aux_loss_names(args)
-        self.moe_layers = [i for i, moe in enumerate(config.moe_layer_pattern()) if moe]
-        self.counts = torch.zeros(config.num_layers, config.num_experts, dtype=torch.long,
+        # megatron's index of each MoE layer (a hybrid model's MoE blocks are layers of their own) -> the model's
+        self.moe_layers = config.megatron_moe_layers()
+        self.counts = torch.zeros(config.megatron_num_layers, config.num_experts, dtype=torch.long,
                                   device=device.current_device())
         self.totals: dict[str, torch.Tensor] = {}
         self.iterations = 0
@@ -85,19 +95,20 @@ class ExpertMetrics:
 
     def track(self, iteration: int, writer) -> None:
         """After each training iteration, on every rank."""
-        freq = self.args.model_config.moe_layer_freq
+        layers = self.args.model_config.megatron_num_layers
         self.iterations += 1
         track_moe_metrics(
             loss_scale=1 / self.args.num_micro_batches, iteration=iteration, writer=writer,
             total_loss_dict=self.totals, per_layer_logging=self.args.moe_per_layer_logging, force_initialize=True,
-            track_names=self.names, num_layers=self.args.model_config.num_layers,
-            moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq)
+            track_names=self.names, num_layers=layers,
+            moe_layer_freq=[int(i in self.moe_layers) for i in range(layers)])
 
     def log(self, iteration: int, writer) -> tuple[list[str], dict]:
         """At a log line, on every rank (the load is summed over all): the line's fields and the logged
         values (router losses averaged over the iterations since the last line, each MoE layer's load)."""
         torch.distributed.all_reduce(self.counts)
-        counts = self.counts[self.moe_layers].double()
+        counts = self.counts[list(self.moe_layers)].double()
+        layers = list(self.moe_layers.values())  # the model's layer numbers, as the log shows them
         shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
         load = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).tolist()
         self.counts.zero_()
@@ -105,16 +116,16 @@ class ExpertMetrics:
         self.totals, self.iterations = {}, 0
         if writer is not None:
             writer.add_scalar("expert-load-max-over-mean", sum(load) / len(load), iteration)
-            for layer, value, layer_shares in zip(self.moe_layers, load, shares.tolist()):
+            for layer, value, layer_shares in zip(layers, load, shares.tolist()):
                 writer.add_scalar(f"moe/expert_load_max_over_mean_layer_{layer}", value, iteration)
                 if self.args.moe_per_layer_logging:
                     for expert, share in enumerate(layer_shares):
                         writer.add_scalar(f"moe/tokens_per_expert_layer_{layer}/expert_{expert}", share, iteration)
         worst = max(range(len(load)), key=load.__getitem__)
         fields = [f"{name}: {value:.6E}" for name, value in logged.items()]
-        fields.append(f"expert load max/mean: {sum(load) / len(load):.3f} (worst: layer {self.moe_layers[worst]} "
+        fields.append(f"expert load max/mean: {sum(load) / len(load):.3f} (worst: layer {layers[worst]} "
                       f"{load[worst]:.3f})")
-        return fields, {**logged, "expert load": dict(zip(self.moe_layers, load))}
+        return fields, {**logged, "expert load": dict(zip(layers, load))}
 
 
 class StartupClock:

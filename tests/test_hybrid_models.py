@@ -1,0 +1,176 @@
+"""Qwen3.5 through megatron-core's HybridModel from the project's local specs (models/hybrid.py): built on the
+CPU without Transformer Engine or flash-linear-attention, its parameters counted by ``ModelConfig``, and its
+logits and loss those of transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` made from the same
+config with the same weights (copied here by the layout each side documents, independently of the
+converter). Releases without HybridModel refuse the model in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from packaging.version import Version
+
+import models
+from adapter.registry import installed_megatron_core_version
+from models import hybrid
+from models.config import LINEAR_ATTENTION, ModelConfigError
+
+NO_HYBRID = Version(installed_megatron_core_version()) < Version(hybrid.HYBRID_SINCE)
+needs_hybrid = pytest.mark.skipif(NO_HYBRID, reason=f"megatron-core {installed_megatron_core_version()} has no "
+                                                    f"HybridModel (0.18 and later)")
+NO_QWEN35 = not hasattr(transformers, "Qwen3_5TextConfig")
+needs_qwen35 = pytest.mark.skipif(NO_QWEN35, reason=f"transformers {transformers.__version__} has no Qwen3.5 "
+                                                    "(5.23 and later)")
+
+
+def test_layer_pattern_is_a_mixer_then_an_mlp_or_moe_per_layer():
+    assert hybrid.layer_pattern(models.get("qwen3.5-tiny")) == "G-G-G-*-"
+    assert hybrid.layer_pattern(models.get("qwen3.5-moe-tiny")) == "GEGEGE*E"
+
+
+def test_gated_delta_net_sizes_without_layer_types_are_refused():
+    with pytest.raises(ModelConfigError, match="linear_num_value_heads=64 without layer_types"):
+        models.get("qwen3-tiny", linear_num_value_heads=64)
+    with pytest.raises(ModelConfigError, match="one of 'linear_attention' or 'full_attention' per layer, 4 in all"):
+        models.get("qwen3.5-tiny", layer_types=(LINEAR_ATTENTION,) * 3)
+
+
+@pytest.mark.skipif(not NO_HYBRID, reason="this megatron-core has HybridModel")
+def test_an_old_release_names_the_one_a_hybrid_model_needs():
+    with pytest.raises(ModelConfigError, match=r"install megatron-core>=0\.18"):
+        hybrid.check_release()
+
+
+def _hf_config(model):
+    """transformers' text config of ``model`` (the fields Qwen3.5's config.json has)."""
+    settings = dict(
+        vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
+        num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_query_groups, head_dim=model.head_dim,
+        max_position_embeddings=model.max_position_embeddings, rms_norm_eps=model.norm_epsilon,
+        tie_word_embeddings=model.tie_embeddings, layer_types=list(model.layer_types),
+        linear_conv_kernel_dim=model.linear_conv_kernel_dim, linear_key_head_dim=model.linear_key_head_dim,
+        linear_value_head_dim=model.linear_value_head_dim, linear_num_key_heads=model.linear_num_key_heads,
+        linear_num_value_heads=model.linear_num_value_heads,
+        rope_parameters={"rope_type": "default", "rope_theta": model.rotary_base,
+                         "partial_rotary_factor": model.rotary_percent})
+    if model.num_experts is None:
+        return transformers.Qwen3_5TextConfig(**settings)
+    return transformers.Qwen3_5MoeTextConfig(
+        **settings, num_experts=model.num_experts, num_experts_per_tok=model.moe_router_topk,
+        moe_intermediate_size=model.expert_ffn_hidden_size,
+        shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size)
+
+
+def _gated_qkv(attn, model) -> torch.Tensor:
+    """megatron's gated linear_qkv rows, per query group: its query heads, their gate heads, its key head and
+    its value head. HF's q_proj holds each head's query then its gate."""
+    d, groups = model.head_dim, model.num_query_groups
+    q_and_gate = attn.q_proj.weight.reshape(groups, -1, 2, d, model.hidden_size)
+    k, v = (w.reshape(groups, 1, d, model.hidden_size) for w in (attn.k_proj.weight, attn.v_proj.weight))
+    return torch.cat([q_and_gate[:, :, 0], q_and_gate[:, :, 1], k, v], dim=1).reshape(-1, model.hidden_size)
+
+
+def _layer_weights(hf_layer, model, index: int) -> dict:
+    """One HF decoder layer as megatron's two hybrid layers (``2 * index``: the mixer; ``+ 1``: its MLP/MoE).
+    Norms stored as gamma - 1 on both sides, but Gated DeltaNet's output norm, which HF stores as gamma."""
+    mixer, mlp = f"decoder.layers.{2 * index}.", f"decoder.layers.{2 * index + 1}."
+    out = {mixer + "input_layernorm.weight": hf_layer.input_layernorm.weight,
+           mlp + "pre_mlp_layernorm.weight": hf_layer.post_attention_layernorm.weight}
+    if model.layer_types[index] == LINEAR_ATTENTION:
+        gdn = hf_layer.linear_attn
+        out |= {mixer + "self_attention.in_proj.weight": torch.cat(
+            [gdn.in_proj_qkv.weight, gdn.in_proj_z.weight, gdn.in_proj_b.weight, gdn.in_proj_a.weight]),
+            mixer + "self_attention.out_norm.weight": gdn.norm.weight - 1,
+            **{mixer + f"self_attention.{n}": gdn.get_parameter(n)
+               for n in ("conv1d.weight", "A_log", "dt_bias", "out_proj.weight")}}
+    else:
+        attn = hf_layer.self_attn
+        out |= {mixer + "self_attention.linear_qkv.weight": _gated_qkv(attn, model),
+                mixer + "self_attention.q_layernorm.weight": attn.q_norm.weight,
+                mixer + "self_attention.k_layernorm.weight": attn.k_norm.weight,
+                mixer + "self_attention.linear_proj.weight": attn.o_proj.weight}
+    block = hf_layer.mlp
+    if model.num_experts is None:
+        return out | {mlp + "mlp.linear_fc1.weight": torch.cat([block.gate_proj.weight, block.up_proj.weight]),
+                      mlp + "mlp.linear_fc2.weight": block.down_proj.weight}
+    shared = block.shared_expert
+    return out | {mlp + "mlp.router.weight": block.gate.weight,
+                  mlp + "mlp.experts.linear_fc1.weight": block.experts.gate_up_proj,
+                  mlp + "mlp.experts.linear_fc2.weight": block.experts.down_proj,
+                  mlp + "mlp.shared_experts.linear_fc1.weight": torch.cat([shared.gate_proj.weight,
+                                                                           shared.up_proj.weight]),
+                  mlp + "mlp.shared_experts.linear_fc2.weight": shared.down_proj.weight,
+                  mlp + "mlp.shared_experts.gate_weight": block.shared_expert_gate.weight}
+
+
+def _megatron_weights(hf_model, model) -> dict:
+    weights = {"embedding.word_embeddings.weight": hf_model.model.embed_tokens.weight,
+               "decoder.final_norm.weight": hf_model.model.norm.weight, "output_layer.weight": hf_model.lm_head.weight}
+    for index, layer in enumerate(hf_model.model.layers):
+        weights |= _layer_weights(layer, model, index)
+    return weights
+
+
+@needs_hybrid
+@needs_qwen35
+@pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3.5-moe-tiny"])
+def test_the_hybrid_model_gives_transformers_logits(name):
+    from models.provider import make_model_provider
+    from tests.kernel_reference import one_rank_model_parallel
+
+    model = models.get(name)
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(_hf_config(model), attn_implementation="sdpa").eval()
+    with torch.no_grad():  # HF initialises its zero-centred norms to zero: make every weight count
+        for param in theirs.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    with one_rank_model_parallel():
+        ours = make_model_provider(model)().eval()
+        weights = _megatron_weights(theirs, model)
+        own = {k: v for k, v in ours.state_dict().items() if not k.endswith("_extra_state")}
+        assert sorted(own) == sorted(weights)
+        assert sum(p.numel() for p in ours.parameters()) == model.num_parameters() == sum(
+            p.numel() for p in theirs.parameters())
+        ours.load_state_dict({k: w.detach().clone() for k, w in weights.items()}, strict=False)
+        tokens = torch.randint(0, model.vocab_size, (2, model.seq_length), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            logits = ours(tokens, torch.arange(model.seq_length).expand_as(tokens), None)
+            want = theirs(input_ids=tokens).logits
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
+def _flow_argv(model: str, *extra: str) -> list[str]:
+    return ["--model", model, "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "64",
+            "--train-iters", "6", "--lr", "3e-3", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--mock-data",
+            "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--use-distributed-optimizer", "--seed", "7", *extra]
+
+
+@needs_hybrid
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3.5-moe-tiny"])
+def test_the_flow_trains_a_hybrid_model_and_resumes_it_bit_exactly(name, tmp_path):
+    """scripts/pretrain_gpt.py's flow with --model qwen3.5-...: six iterations saved at 3, the loss falling,
+    then the run resumed from 3 gives iterations 4-6 bit for bit (the MoE flavour logs its experts' load)."""
+    from tests.distributed import run_ranks
+    from tests.pretrain_ranks import logged_losses, run_pretrain, stopped_at
+
+    saved = tmp_path / "saved"
+    first = run_ranks(1, run_pretrain, _flow_argv(name, "--save", str(saved), "--save-interval", "3"))
+    curve = logged_losses(first)
+    assert sorted(curve) == list(range(1, 7)) and curve[6] < curve[1]
+    if name.endswith("moe-tiny"):
+        assert set(first[0]["train"][-1]["expert load"]) == {0, 1, 2, 3}  # the model's layers, not megatron's
+    at3 = stopped_at(saved, 3, tmp_path / "at3")
+    resumed = logged_losses(run_ranks(1, run_pretrain, _flow_argv(name, "--load", str(at3))))
+    assert resumed == {i: curve[i] for i in range(4, 7)}
+
+
+def test_the_memory_plan_refuses_a_hybrid_model_it_cannot_count_yet():
+    from adapter.training.memory_plan import PlanError, plan
+
+    with pytest.raises(PlanError, match="Gated DeltaNet layers"):
+        plan(models.get("qwen3.5-tiny"), tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=1, seq_length=64)
