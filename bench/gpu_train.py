@@ -47,7 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SHAPES = {"qwen2.5-0.5b": (2048, 4), "qwen2.5-1.5b": (4096, 2), "qwen3-1.7b": (4096, 2), "qwen2.5-tiny": (64, 2)}
+SHAPES = {"qwen2.5-0.5b": (2048, 4), "qwen2.5-1.5b": (4096, 2), "qwen3-1.7b": (4096, 2), "qwen2.5-tiny": (64, 2),
+          "qwen3.5-tiny": (256, 2)}
 # variant -> (environment, flow arguments added, flow arguments left out)
 VARIANTS = {"fused-adam": ({"ADAPTER_FUSED_ADAM": "0"}, [], []),
             "ce-fusion": ({}, ["--no-cross-entropy-loss-fusion"], []),
@@ -172,10 +173,11 @@ def _hf_model(name: str, device: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import models
-    from models.hf import config_to_hf
+    from models.hf import config_to_hf, hybrid_config_json
 
-    hf = config_to_hf(models.get(name))
-    hf.pop("architectures"), hf.pop("torch_dtype")
+    model = models.get(name)
+    hf = hybrid_config_json(model) if model.layer_types else config_to_hf(model)
+    hf.pop("architectures"), hf.pop("torch_dtype", None)
     config = AutoConfig.for_model(**hf)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", torch_dtype=torch.float32)

@@ -327,8 +327,39 @@ ARCHITECTURES = {
 }
 
 
+def hybrid_config_json(model: ModelConfig) -> dict:
+    """The text config.json of a hybrid ``model`` as Qwen3.5 writes it (``Qwen3_5TextConfig``, and
+    ``Qwen3_5MoeTextConfig`` with experts): what transformers builds the same model from. Its weights do not
+    convert yet (``architecture_for``)."""
+    if model.layer_types is None:
+        raise UnsupportedCheckpoint("hybrid_config_json takes a hybrid model (layer_types set)")
+    config = {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
+              "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+              "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
+              "num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_query_groups,
+              "head_dim": model.head_dim, "max_position_embeddings": model.max_position_embeddings,
+              "rms_norm_eps": model.norm_epsilon, "tie_word_embeddings": model.tie_embeddings, "hidden_act": "silu",
+              "layer_types": list(model.layer_types), "attention_bias": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": model.rotary_base,
+                                  "partial_rotary_factor": model.rotary_percent},
+              **{name: getattr(model, name) for name in ("linear_conv_kernel_dim", "linear_key_head_dim",
+                                                         "linear_value_head_dim", "linear_num_key_heads",
+                                                         "linear_num_value_heads")}}
+    if model.num_experts is None:
+        return config
+    return {**config, "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+            "num_experts": model.num_experts, "num_experts_per_tok": model.moe_router_topk,
+            "moe_intermediate_size": model.expert_ffn_hidden_size,
+            "shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
+            "router_aux_loss_coef": model.moe_aux_loss_coeff}
+
+
 def architecture_for(model: ModelConfig) -> str:
     """The HF architecture a megatron model of ``model`` is written back as."""
+    if model.layer_types is not None:
+        raise UnsupportedCheckpoint(
+            "a hybrid model's (Gated DeltaNet, layer_types) weights do not convert to Hugging Face yet: keep it as a "
+            "megatron checkpoint")
     if model.qk_layernorm and not model.add_qkv_bias:
         return "Qwen3MoeForCausalLM" if model.num_experts is not None else "Qwen3ForCausalLM"
     if model.num_experts is not None or model.qk_layernorm:

@@ -43,24 +43,11 @@ def test_an_old_release_names_the_one_a_hybrid_model_needs():
 
 
 def _hf_config(model):
-    """transformers' text config of ``model`` (the fields Qwen3.5's config.json has)."""
-    settings = dict(
-        vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
-        num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-        num_key_value_heads=model.num_query_groups, head_dim=model.head_dim,
-        max_position_embeddings=model.max_position_embeddings, rms_norm_eps=model.norm_epsilon,
-        tie_word_embeddings=model.tie_embeddings, layer_types=list(model.layer_types),
-        linear_conv_kernel_dim=model.linear_conv_kernel_dim, linear_key_head_dim=model.linear_key_head_dim,
-        linear_value_head_dim=model.linear_value_head_dim, linear_num_key_heads=model.linear_num_key_heads,
-        linear_num_value_heads=model.linear_num_value_heads,
-        rope_parameters={"rope_type": "default", "rope_theta": model.rotary_base,
-                         "partial_rotary_factor": model.rotary_percent})
-    if model.num_experts is None:
-        return transformers.Qwen3_5TextConfig(**settings)
-    return transformers.Qwen3_5MoeTextConfig(
-        **settings, num_experts=model.num_experts, num_experts_per_tok=model.moe_router_topk,
-        moe_intermediate_size=model.expert_ffn_hidden_size,
-        shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size)
+    """transformers' config of ``model``, from the config.json the project writes for it."""
+    from models.hf import hybrid_config_json
+
+    return transformers.AutoConfig.for_model(**{k: v for k, v in hybrid_config_json(model).items()
+                                                if k != "architectures"})
 
 
 def _gated_qkv(attn, model) -> torch.Tensor:
@@ -174,3 +161,10 @@ def test_the_memory_plan_refuses_a_hybrid_model_it_cannot_count_yet():
 
     with pytest.raises(PlanError, match="Gated DeltaNet layers"):
         plan(models.get("qwen3.5-tiny"), tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=1, seq_length=64)
+
+
+def test_converting_a_hybrid_checkpoint_is_refused_in_one_line():
+    from models.hf import UnsupportedCheckpoint, architecture_for
+
+    with pytest.raises(UnsupportedCheckpoint, match="do not convert to Hugging Face yet"):
+        architecture_for(models.get("qwen3.5-moe-tiny"))
