@@ -159,9 +159,8 @@ class ModelConfig:
     def _check_dense(self) -> None:
         """A dense model carries no expert settings: one set without ``num_experts`` is a mistake, not a
         choice megatron would honour."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("moe_")}
-        given = [f"{name}={getattr(self, name)!r}" for name, default in defaults.items()
-                 if getattr(self, name) != default]
+        given = [f"{name}={getattr(self, name)!r}" for name, default in _FIELD_DEFAULTS.items()
+                 if name.startswith("moe_") and getattr(self, name) != default]
         if given:
             raise ModelConfigError(f"{', '.join(given)} on a dense model (num_experts=None): set num_experts, or "
                                    "leave the MoE settings at their defaults")
@@ -283,11 +282,17 @@ class ModelConfig:
         mixing = self.attention_parameters() if mixer == FULL_ATTENTION else self.gated_delta_net_parameters()
         return 2 * norm + mixing + (self.moe_parameters() if moe else self.mlp_parameters(self.ffn_hidden_size))
 
+    @property
+    def qkv_rows(self) -> int:
+        """Rows of the fused QKV projection: every query head, the output gate's beside them if any, and each
+        query group's key and value head."""
+        heads = self.num_attention_heads * (2 if self.attention_output_gate else 1)
+        return (heads + 2 * self.num_query_groups) * self.head_dim
+
     def attention_parameters(self) -> int:
         """Attention: the QKV projection (with the output gate's rows beside the queries, if any), its bias,
         the QK norms and the output projection with its bias."""
-        h, d = self.hidden_size, self.head_dim
-        qkv_rows = (self.num_attention_heads * (2 if self.attention_output_gate else 1) + 2 * self.num_query_groups) * d
+        h, d, qkv_rows = self.hidden_size, self.head_dim, self.qkv_rows
         qk_norms = 2 * (2 * d if self.normalization == "LayerNorm" else d) if self.qk_layernorm else 0
         return (qkv_rows * h + self.num_attention_heads * d * h + (qkv_rows if self.add_qkv_bias else 0)
                 + (h if self.add_bias_linear else 0) + qk_norms)

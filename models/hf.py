@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .config import ModelConfig, ModelConfigError
+from .config import HYBRID_FIELDS, ModelConfig, ModelConfigError
 
 LAYER_PREFIX = "decoder.layers."
 
@@ -342,9 +342,7 @@ def hybrid_config_json(model: ModelConfig) -> dict:
               "layer_types": list(model.layer_types), "attention_bias": False,
               "rope_parameters": {"rope_type": "default", "rope_theta": model.rotary_base,
                                   "partial_rotary_factor": model.rotary_percent},
-              **{name: getattr(model, name) for name in ("linear_conv_kernel_dim", "linear_key_head_dim",
-                                                         "linear_value_head_dim", "linear_num_key_heads",
-                                                         "linear_num_value_heads")}}
+              **{name: getattr(model, name) for name in HYBRID_FIELDS}}
     if model.num_experts is None:
         return config
     return {**config, "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],

@@ -64,7 +64,7 @@ def forward_backward(fn, inputs, grad_seed: int = 7, rows=None):
     """Output of ``fn(*inputs)`` and the gradients of a fixed random projection of it (optionally of the
     ``rows`` selected along dim 0 only) with respect to every input."""
     out = fn(*inputs)
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out)  # dtype, device
     projected = out * weight
     if rows is not None:
         projected = projected[rows]

@@ -20,7 +20,7 @@ import torch
 
 from adapter.kernels import cuda_provider
 from patches import grad_accumulation, torch_optimizers
-from tests.kernel_reference import attention_config
+from tests.kernel_reference import attention_config, forward_backward, randn
 from tests.triton_interpreter import compiler_semantics, interpreting, liger_unavailable
 
 SEQ, BATCH, HIDDEN, FFN = 16, 2, 64, 96
@@ -63,17 +63,10 @@ def _dtype_runs(kernels, dtype) -> None:
                     "in float32 (on a GPU in both)")
 
 
-def _random(*shape, seed: int, dtype=torch.float32, scale: float = 1.0):
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
-
-
-def _run(fn, inputs: list, grad_seed: int = 99, device: str = "cpu") -> list:
-    """fn's output and every input's gradient under a fixed random output gradient, computed on
-    ``device``, handed back on the CPU."""
-    leaves = [t.detach().to(device).requires_grad_(True) for t in inputs]
-    out = fn(*leaves)
-    out.backward(_random(*out.shape, seed=grad_seed, dtype=out.dtype).to(device))
-    return [None if t is None else t.cpu() for t in (out.detach(), *(t.grad for t in leaves))]
+def _run(fn, inputs: list, device: str = "cpu") -> list:
+    """``forward_backward`` of fn on ``device`` (every input a leaf there), handed back on the CPU."""
+    results = forward_backward(fn, [t.detach().to(device).requires_grad_(True) for t in inputs])
+    return [None if t is None else t.cpu() for t in results]
 
 
 def _close(got: list, want: list, dtype) -> None:
@@ -95,9 +88,9 @@ def test_the_providers_norm_module(kernels, normalization, sp, dtype):
     config = attention_config(dtype=dtype, normalization=normalization, sequence_parallel=sp == "sp-on",
                               tensor_model_parallel_size=2 if sp == "sp-on" else 1)
     norm = kernels.Norm(config, hidden_size=HIDDEN, eps=1e-6).to(_device(kernels))
-    x = _random(SEQUENCE[sp], BATCH, HIDDEN, seed=1, dtype=dtype, scale=2.0)
-    weight = (_random(HIDDEN, seed=2) * 0.1 + 1).to(dtype)
-    bias = _random(HIDDEN, seed=3, dtype=dtype, scale=0.1)
+    x = randn(SEQUENCE[sp], BATCH, HIDDEN, dtype=dtype, seed=1) * 2.0
+    weight = (randn(HIDDEN, seed=2) * 0.1 + 1).to(dtype)
+    bias = randn(HIDDEN, dtype=dtype, seed=3) * 0.1
     with torch.no_grad():
         norm.weight.copy_(weight)
         if norm.bias is not None:
@@ -135,13 +128,13 @@ def test_swiglu_takes_and_gives_megatrons_shapes(kernels, rank, sp, dtype):
     if swiglu is None:  # compile / eager: megatron's own torch.compile'd SwiGLU runs
         from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl as swiglu
     shape = (SEQUENCE[sp], BATCH, 2 * FFN) if rank == 3 else (SEQUENCE[sp] * BATCH, 2 * FFN)
-    y = _random(*shape, seed=4, dtype=dtype, scale=2.0)
+    y = randn(*shape, dtype=dtype, seed=4) * 2.0
     got = _run(lambda y: swiglu(y, None), [y], device=_device(kernels))
     _close(got, _reference(_swiglu_reference, [y]), dtype)
 
 
 def test_swiglu_with_a_bias_goes_to_megatrons_own(kernels):
-    y, bias = _random(SEQ, BATCH, 2 * FFN, seed=5), _random(2 * FFN, seed=6)
+    y, bias = randn(SEQ, BATCH, 2 * FFN, seed=5), randn(2 * FFN, seed=6)
     swiglu = kernels.bias_swiglu
     if swiglu is None:
         from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl as swiglu
@@ -180,7 +173,7 @@ def test_rope_on_megatrons_s_b_heads_d(kernels, interleaved, rot, dtype):
     layout = torch.stack((half, half), -1).flatten(-2) if interleaved else torch.cat((half, half), -1)
     # megatron's RotaryEmbedding output [s, 1, 1, rot]
     freqs = layout[:, None, None, :].float().to(_device(kernels))
-    t = _random(SEQ, BATCH, 4, 32, seed=7, dtype=dtype)
+    t = randn(SEQ, BATCH, 4, 32, dtype=dtype, seed=7)
     got = _run(lambda t: kernels.rope(t, freqs, interleaved=interleaved), [t], device=_device(kernels))
     _close(got, _reference(lambda t: _rope_reference(t, half, interleaved), [t]), dtype)
 
@@ -190,7 +183,7 @@ def test_rope_on_megatrons_s_b_heads_d(kernels, interleaved, rot, dtype):
 def test_cross_entropy_fusion_on_s_b_vocab(dtype):
     """``cross_entropy_loss_fusion`` without Transformer Engine: the provider's one-function cross entropy
     on megatron's [s, b, vocab] logits (one tensor-parallel rank)."""
-    logits, target = _random(SEQ, BATCH, 300, seed=8, dtype=dtype, scale=3.0), torch.randint(0, 300, (SEQ, BATCH))
+    logits, target = randn(SEQ, BATCH, 300, dtype=dtype, seed=8) * 3.0, torch.randint(0, 300, (SEQ, BATCH))
     got = _run(lambda x: cuda_provider.vocab_parallel_cross_entropy(x, target, None), [logits])
     want = _reference(lambda x: -x.log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1), [logits])
     _close(got, want, dtype)
@@ -211,8 +204,8 @@ def _attention_reference(q, k, v, scale):
 def test_attention_through_sdpa(dtype, packed):
     """The SDPA path (no flash-attn): causal, 8 query heads over 2 key/value groups; packed sequences
     as megatron's thd layout [t, n, d] with cu_seqlens, each sequence attending to itself only."""
-    q = _random(SEQ, BATCH, 8, 16, seed=9, dtype=dtype)
-    k, v = _random(SEQ, BATCH, 2, 16, seed=10, dtype=dtype), _random(SEQ, BATCH, 2, 16, seed=11, dtype=dtype)
+    q = randn(SEQ, BATCH, 8, 16, dtype=dtype, seed=9)
+    k, v = randn(SEQ, BATCH, 2, 16, dtype=dtype, seed=10), randn(SEQ, BATCH, 2, 16, dtype=dtype, seed=11)
     if not packed:
         got = _run(lambda q, k, v: cuda_provider.attention(q, k, v, scale=0.25, causal=True, mask=None,
                                                            window=None, dropout_p=0.0), [q, k, v])
@@ -247,7 +240,7 @@ def _experts_reference(x, weight):
 def test_the_experts_grouped_gemm(path, counts, dtype):
     """``grouped_mm`` as it runs on CPU tensors (one GEMM per expert), and ``torch_grouped_mm``, the call it
     makes for CUDA bfloat16 (torch's grouped GEMM, which has a CPU kernel too), on uneven splits."""
-    x, weight = _random(sum(SPLITS), 48, seed=12, dtype=dtype), _random(4, 32, 48, seed=13, dtype=dtype, scale=0.2)
+    x, weight = randn(sum(SPLITS), 48, dtype=dtype, seed=12), randn(4, 32, 48, dtype=dtype, seed=13) * 0.2
     tokens = SPLITS if counts == "list" else torch.tensor(SPLITS)
     got = _run(lambda x, w: getattr(cuda_provider, path)(x, w, tokens), [x, weight])
     _close(got, _reference(_experts_reference, [x, weight]), dtype)
@@ -285,9 +278,9 @@ def _adamw_reference(params, grads, lr, betas, eps, decay):
 def test_fused_adamw_steps_as_adamw():
     """The Adam megatron builds (decoupled weight decay), made fused by the adapter's wrapper, three steps
     on a [ffn, h] weight and an [h] norm weight."""
-    params = [torch.nn.Parameter(_random(FFN, HIDDEN, seed=14)), torch.nn.Parameter(_random(HIDDEN, seed=15) + 1)]
+    params = [torch.nn.Parameter(randn(FFN, HIDDEN, seed=14)), torch.nn.Parameter(randn(HIDDEN, seed=15) + 1)]
     start = [p.detach().clone() for p in params]
-    grads = [[_random(*p.shape, seed=20 + 2 * step + i) for i, p in enumerate(params)] for step in range(3)]
+    grads = [[randn(*p.shape, seed=20 + 2 * step + i) for i, p in enumerate(params)] for step in range(3)]
     build = torch_optimizers.fused_torch_adam(lambda: types.SimpleNamespace(optimizer=torch.optim.Adam(
         params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True)))
     optimizer = build().optimizer

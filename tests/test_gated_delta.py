@@ -17,6 +17,7 @@ from packaging.version import Version
 from adapter.kernels import UnsupportedKernelSetting, cuda_provider, gated_delta, select_provider
 from adapter.registry import installed_megatron_core_version
 from tests.gated_delta_reference import causal_conv, recurrent_gated_delta_rule
+from tests.kernel_reference import forward_backward, leaves, one_rank_model_parallel
 
 # megatron's GatedDeltaNet with flash-linear-attention's interfaces, the one the adapter runs: 0.18 and later
 NO_MEGATRON_GDN = (f"megatron-core {installed_megatron_core_version()}: GatedDeltaNet (and HybridModel) as the adapter "
@@ -40,13 +41,6 @@ def _inputs(dtype=torch.float64, batch=BATCH, seq=SEQ, seed=0):
     return [t.to(dtype) for t in (q, k, v, g, beta)]
 
 
-def _with_grads(fn, inputs, seed=9):
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    out = fn(*leaves)
-    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out))
-    return [out.detach(), *(t.grad for t in leaves)]
-
-
 def _close(got, want, **tolerance):
     assert len(got) == len(want)
     for a, b in zip(got, want):
@@ -56,9 +50,9 @@ def _close(got, want, **tolerance):
 @pytest.mark.parametrize("qk_l2norm", [True, False], ids=["l2norm-in-kernel", "normed-before"])
 def test_chunks_equal_the_rule_token_by_token(qk_l2norm):
     inputs = _inputs()
-    got = _with_grads(lambda *t: gated_delta.chunk_gated_delta_rule(*t, use_qk_l2norm_in_kernel=qk_l2norm)[0],
-                      inputs)
-    want = _with_grads(lambda *t: recurrent_gated_delta_rule(*t, qk_l2norm=qk_l2norm), inputs)
+    got = forward_backward(lambda *t: gated_delta.chunk_gated_delta_rule(*t, use_qk_l2norm_in_kernel=qk_l2norm)[0],
+                           leaves(*inputs))
+    want = forward_backward(lambda *t: recurrent_gated_delta_rule(*t, qk_l2norm=qk_l2norm), leaves(*inputs))
     _close(got, want, rtol=1e-9, atol=1e-10)
 
 
@@ -94,21 +88,22 @@ def test_chunks_equal_transformers_and_megatrons_torch_fallbacks(reference):
             return function(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
 
     inputs = _inputs(torch.float32)
-    got = _with_grads(lambda *t: gated_delta.chunk_gated_delta_rule(*t, use_qk_l2norm_in_kernel=True)[0], inputs)
-    _close(got, _with_grads(theirs, inputs), rtol=2e-4, atol=2e-5)
+    got = forward_backward(lambda *t: gated_delta.chunk_gated_delta_rule(*t, use_qk_l2norm_in_kernel=True)[0],
+                           leaves(*inputs))
+    _close(got, forward_backward(theirs, leaves(*inputs)), rtol=2e-4, atol=2e-5)
 
 
 def test_packed_sequences_each_start_from_a_zero_state():
     inputs = _inputs(batch=1, seq=PACKED[-1])
     cu_seqlens = torch.tensor(PACKED, dtype=torch.int32)
-    got = _with_grads(lambda *t: gated_delta.chunk_gated_delta_rule(
-        *t, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)[0], inputs)
+    got = forward_backward(lambda *t: gated_delta.chunk_gated_delta_rule(
+        *t, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)[0], leaves(*inputs))
 
     def one_by_one(*t):
         return torch.cat([recurrent_gated_delta_rule(*(x[:, a:b] for x in t), qk_l2norm=True)
                           for a, b in zip(PACKED, PACKED[1:])], dim=1)
 
-    _close(got, _with_grads(one_by_one, inputs), rtol=1e-9, atol=1e-10)
+    _close(got, forward_backward(one_by_one, leaves(*inputs)), rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
@@ -117,14 +112,15 @@ def test_causal_convolution_sees_only_the_past_of_its_own_sequence(packed):
     x = torch.randn(1 if packed else 2, PACKED[-1], 12, generator=generator, dtype=torch.float64)
     weight, bias = torch.randn(12, 4, generator=generator, dtype=torch.float64), torch.randn(12, dtype=torch.float64)
     cu_seqlens = torch.tensor(PACKED) if packed else None
-    got = _with_grads(lambda x, w, b: gated_delta.causal_conv1d(x, w, b, activation="silu", cu_seqlens=cu_seqlens)[0],
-                      [x, weight, bias])
+    got = forward_backward(lambda x, w, b: gated_delta.causal_conv1d(x, w, b, activation="silu",
+                                                                      cu_seqlens=cu_seqlens)[0],
+                           leaves(x, weight, bias))
     if packed:
         def want_fn(x, w, b):
             return torch.cat([causal_conv(x[:, a:e], w, b) for a, e in zip(PACKED, PACKED[1:])], dim=1)
     else:
         want_fn = causal_conv
-    _close(got, _with_grads(want_fn, [x, weight, bias]), rtol=1e-12, atol=1e-12)
+    _close(got, forward_backward(want_fn, leaves(x, weight, bias)), rtol=1e-12, atol=1e-12)
 
 
 def test_causal_convolution_equals_transformers_fallback():
@@ -216,8 +212,6 @@ def _copy_weights(ours, theirs, zero_centered: bool) -> None:
 def test_megatrons_layer_without_flash_linear_attention_equals_transformers_qwen35(zero_centered):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    from tests.kernel_reference import one_rank_model_parallel
-
     _fla_shadows_transformers()
     hf_config = _qwen35_text_config()
     torch.manual_seed(0)
@@ -228,8 +222,8 @@ def test_megatrons_layer_without_flash_linear_attention_equals_transformers_qwen
         ours = _megatron_gdn(hf_config, zero_centered)
         _copy_weights(ours, theirs, zero_centered)
         x = torch.randn(2, SEQ, hf_config.hidden_size, generator=torch.Generator().manual_seed(6))
-        got = _with_grads(lambda x: ours(x.transpose(0, 1), None)[0].transpose(0, 1), [x])
-        want = _with_grads(lambda x: theirs(x), [x])
+        got = forward_backward(lambda x: ours(x.transpose(0, 1), None)[0].transpose(0, 1), leaves(x))
+        want = forward_backward(lambda x: theirs(x), leaves(x))
         _close(got + [ours.in_proj.weight.grad, ours.conv1d.weight.grad, ours.A_log.grad],
                want + [torch.cat([theirs.in_proj_qkv.weight.grad, theirs.in_proj_z.weight.grad,
                                   theirs.in_proj_b.weight.grad, theirs.in_proj_a.weight.grad]),

@@ -204,8 +204,7 @@ class MemoryPlan:
 def _layer_parameters(model: ModelConfig, moe: bool) -> tuple[int, int, int]:
     """(split over TP, whole on every TP rank, experts) parameters of one transformer layer, a MoE layer's
     routed experts (split over EP x expert TP) apart from the rest."""
-    h, d = model.hidden_size, model.head_dim
-    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * d
+    h, d, qkv = model.hidden_size, model.head_dim, model.qkv_rows
     norm = 2 * h if model.normalization == "LayerNorm" else h
     qk_norms = 2 * (2 * d if model.normalization == "LayerNorm" else d) if model.qk_layernorm else 0
     row_bias = h if model.add_bias_linear else 0  # a row-parallel layer's bias (projection, FC2) is whole

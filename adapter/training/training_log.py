@@ -31,9 +31,7 @@ def model_flops_per_token(model, seq_length: int) -> float:
     (12 x seq x width, s x s not halved for causality), plus each Gated DeltaNet layer's state work (per value
     head the decay-and-correct update, the error and the readout, 2 dk dv FLOPs each, x 3 for training)."""
     h, width = model.hidden_size, model.num_attention_heads * model.head_dim
-    qkv = (model.num_attention_heads * (2 if model.attention_output_gate else 1)
-           + 2 * model.num_query_groups) * model.head_dim * h
-    attention = qkv + width * h
+    attention = model.qkv_rows * h + width * h
     gdn_proj = model.gated_delta_net_parameters() - model.linear_value_head_dim  # no norm weight
     gdn_state = 3 * 3 * 2 * model.linear_key_head_dim * model.linear_value_head_dim * model.linear_num_value_heads
 
@@ -79,6 +77,8 @@ class ExpertMetrics:
         self.names = aux_loss_names(args)
         # megatron's index of each MoE layer (a hybrid model's MoE blocks are layers of their own) -> the model's
         self.moe_layers = config.megatron_moe_layers()
+        # megatron's aux-loss tracker reads the MoE layers as one 0/1 per megatron layer
+        self.moe_layer_freq = [int(i in self.moe_layers) for i in range(config.megatron_num_layers)]
         self.counts = torch.zeros(config.megatron_num_layers, config.num_experts, dtype=torch.long,
                                   device=device.current_device())
         self.totals: dict[str, torch.Tensor] = {}
@@ -95,13 +95,11 @@ class ExpertMetrics:
 
     def track(self, iteration: int, writer) -> None:
         """After each training iteration, on every rank."""
-        layers = self.args.model_config.megatron_num_layers
         self.iterations += 1
         track_moe_metrics(
             loss_scale=1 / self.args.num_micro_batches, iteration=iteration, writer=writer,
             total_loss_dict=self.totals, per_layer_logging=self.args.moe_per_layer_logging, force_initialize=True,
-            track_names=self.names, num_layers=layers,
-            moe_layer_freq=[int(i in self.moe_layers) for i in range(layers)])
+            track_names=self.names, num_layers=len(self.moe_layer_freq), moe_layer_freq=self.moe_layer_freq)
 
     def log(self, iteration: int, writer) -> tuple[list[str], dict]:
         """At a log line, on every rank (the load is summed over all): the line's fields and the logged
