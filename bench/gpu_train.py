@@ -173,10 +173,10 @@ def _hf_model(name: str, device: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import models
-    from models.hf import config_to_hf, hybrid_config_json
+    from models.hf import config_to_hf
 
     model = models.get(name)
-    hf = hybrid_config_json(model) if model.layer_types else config_to_hf(model)
+    hf = config_to_hf(model)
     hf.pop("architectures"), hf.pop("torch_dtype", None)
     config = AutoConfig.for_model(**hf)
     torch.manual_seed(0)

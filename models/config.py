@@ -241,6 +241,11 @@ class ModelConfig:
             check_sizes(None, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, model=self.shape())
         except ParallelConfigError as exc:
             raise ModelConfigError(str(exc)) from None
+        heads = [f"{name}={getattr(self, name)}" for name in ("linear_num_key_heads", "linear_num_value_heads")
+                 if self.layer_types and LINEAR_ATTENTION in self.layer_types and getattr(self, name) % tp]
+        if heads:  # megatron's Gated DeltaNet splits its heads over TP
+            raise ModelConfigError(f"tensor parallel size {tp} does not divide Gated DeltaNet's {', '.join(heads)}: "
+                                   "choose a tensor parallel size that divides them")
 
     def shape(self) -> ModelShape:
         """What of this model a parallel layout must divide."""

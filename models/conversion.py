@@ -18,14 +18,16 @@ import os
 import pickle
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
-from . import checkpoint_dir, torch_dist_io
+from . import checkpoint_dir, hf_hybrid, torch_dist_io
 from . import hf as hf_format
 from .config import ModelConfig, ModelConfigError
 from .safetensors_io import SafetensorsError, SafetensorsFile, SafetensorsStreamWriter
+from .weight_mappings import LAYER_PREFIX, Mapping, per_expert
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -48,7 +50,9 @@ class ConversionError(ValueError):
 # Hugging Face directories
 
 class HFWeights:
-    """The safetensors tensors of a HF model directory, read a block of rows at a time."""
+    """The safetensors tensors of a HF model directory, read a block of rows at a time, under their
+    language-model names: a multimodal checkpoint's ``model.language_model.*`` as ``model.*``, and what the
+    language model does not use (``hf_hybrid.LEFT_BEHIND``) counted in ``left``, not read."""
 
     def __init__(self, directory: Path):
         self.directory = directory
@@ -63,23 +67,37 @@ class HFWeights:
         missing = [f for f in files if not (directory / f).is_file()]
         if missing:
             raise ConversionError(f"{directory}: {INDEX} names {', '.join(missing)}, which is missing")
-        self.file_of, self.shape, self.dtype = {}, {}, {}
+        self.file_of, self.shape, self.dtype, self.stored_name, self.left = {}, {}, {}, {}, {}
         for file in files:
             try:
                 handle = SafetensorsFile(directory / file)
             except SafetensorsError as exc:
                 raise ConversionError(str(exc)) from exc
-            for name, (dtype, shape, _) in handle.tensors.items():
+            for stored, (dtype, shape, _) in handle.tensors.items():
+                left = next((what for prefix, what in hf_hybrid.LEFT_BEHIND.items() if stored.startswith(prefix)), None)
+                if left:
+                    self.left[left] = self.left.get(left, 0) + 1
+                    continue
+                name = re.sub("^" + re.escape(hf_hybrid.MULTIMODAL_PREFIX), hf_hybrid.TEXT_PREFIX, stored)
                 self.file_of[name], self.shape[name], self.dtype[name] = handle, shape, dtype
+                self.stored_name[name] = stored
 
     def get(self, name: str) -> torch.Tensor:
-        return self.file_of[name].read_rows(name)
+        return self.file_of[name].read_rows(self.stored_name[name])
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.file_of[name].read_rows(name, start, stop)
+        return self.file_of[name].read_rows(self.stored_name[name], start, stop)
+
+    def left_line(self) -> str | None:
+        """One line on what the conversion leaves, if anything."""
+        if not self.left:
+            return None
+        return (f"{self.directory}: converting the language model; left "
+                + ", ".join(f"{what} ({count} tensors)" for what, count in self.left.items()))
 
 
 def read_hf_config(hf_dir: Path) -> tuple[dict, ModelConfig]:
+    """(config.json, as its language model's where it is multimodal; the ModelConfig of it)."""
     if not hf_dir.is_dir():
         raise ConversionError(f"--hf-dir {hf_dir} does not exist")
     path = hf_dir / CONFIG
@@ -90,7 +108,7 @@ def read_hf_config(hf_dir: Path) -> tuple[dict, ModelConfig]:
     except json.JSONDecodeError as exc:
         raise ConversionError(f"{path} is not valid JSON: {exc}") from exc
     try:
-        return raw, hf_format.config_from_hf(raw)
+        return hf_hybrid.language_model_config(raw), hf_format.config_from_hf(raw)
     except hf_format.UnsupportedCheckpoint as exc:
         raise ConversionError(f"{path}: {exc}") from exc
 
@@ -98,26 +116,28 @@ def read_hf_config(hf_dir: Path) -> tuple[dict, ModelConfig]:
 @dataclasses.dataclass(frozen=True)
 class Site:
     """One megatron tensor a mapping converts: the checkpoint tensor ``key`` at the leading indices
-    ``prefix`` (the layer and expert axes megatron prepends, where it does), ``shape`` below them."""
+    ``prefix`` (the layer and expert axes megatron prepends, where it does), ``shape`` below them; ``layer``
+    is megatron's layer, ``hf_layer`` the HF layer it is part of (a hybrid model has two per HF layer)."""
     key: str
     prefix: tuple[int, ...]
     shape: tuple[int, ...]
-    mapping: hf_format.Mapping
+    mapping: Mapping
     layer: int | None = None
     expert: int | None = None
+    hf_layer: int | None = None
 
     def hf_names(self) -> list[str]:
-        return self.mapping.hf_names("" if self.layer is None else str(self.layer),
+        return self.mapping.hf_names("" if self.hf_layer is None else str(self.hf_layer),
                                      "" if self.expert is None else str(self.expert))
 
     def hf_tensors(self, model: ModelConfig) -> list[tuple]:
-        """(HF name, shape, this site, index in the mapping) of each HF tensor this site is made of."""
+        """(HF name, shape, this site, index in the mapping) of each HF tensor this site writes."""
         return [(name, shape, self, index) for index, (name, shape) in enumerate(
             zip(self.hf_names(), self.mapping.hf_shapes(model, self.shape)))]
 
 
 # a per-layer key of a model whose layers differ (dense and MoE): the layer is in the name, not an axis
-_NUMBERED_LAYER = re.compile(re.escape(hf_format.LAYER_PREFIX) + r"(\d+)\.(.+)")
+_NUMBERED_LAYER = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)")
 
 
 def _locate(entry) -> tuple[str, int | None, tuple[int, ...]]:
@@ -126,8 +146,8 @@ def _locate(entry) -> tuple[str, int | None, tuple[int, ...]]:
     numbered = _NUMBERED_LAYER.fullmatch(entry.key)
     if numbered:
         return numbered[2], int(numbered[1]), prefix
-    if entry.key.startswith(hf_format.LAYER_PREFIX):
-        return entry.key[len(hf_format.LAYER_PREFIX):], prefix[0], prefix
+    if entry.key.startswith(LAYER_PREFIX):
+        return entry.key[len(LAYER_PREFIX):], prefix[0], prefix
     return entry.key, None, prefix
 
 
@@ -137,24 +157,24 @@ def _plan(model: ModelConfig, architecture: str, layout: list) -> tuple[list[tup
     exactly (a megatron version whose keys moved)."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    whole, dense, moe = hf_format.ARCHITECTURES[architecture].mappings(model)
-    kinds = model.moe_layer_pattern()
+    known = hf_format.ARCHITECTURES[architecture]
+    whole, layers = known.whole(model), known.layers(model)
     sites, plan = {}, []
     for entry in (e for e in layout if isinstance(e, ShardedTensor)):
         name, layer, prefix = _locate(entry)
-        mappings = whole if layer is None else (moe if kinds[layer] else dense)
+        hf_layer, mappings = (None, whole) if layer is None else layers[layer]
         mapping = next((m for m in mappings if m.megatron == name), None)
         if mapping is None:
             raise ConversionError(f"megatron checkpoints {entry.key!r}, which the {architecture} mapping "
                                   "does not produce: this megatron-core version is not supported")
-        expert = prefix[-1] if hf_format.per_expert(mapping) else None
+        expert = prefix[-1] if per_expert(mapping) else None
         site = sites.setdefault((name, layer, expert), Site(
-            entry.key, prefix, tuple(entry.global_shape[len(prefix):]), mapping, layer, expert))
+            entry.key, prefix, tuple(entry.global_shape[len(prefix):]), mapping, layer, expert, hf_layer))
         plan.append((entry, site))
     expected = [(m.megatron, None, None) for m in whole if m.megatron.startswith("embedding.")]
-    for layer, sparse in enumerate(kinds):
-        for m in (moe if sparse else dense):
-            experts = range(model.num_experts) if hf_format.per_expert(m) else [None]
+    for layer, (_, mappings) in enumerate(layers):
+        for m in mappings:
+            experts = range(model.num_experts) if per_expert(m) else [None]
             expected += [(m.megatron, layer, expert) for expert in experts]
     expected += [(m.megatron, None, None) for m in whole if not m.megatron.startswith("embedding.")]
     unused = [site for site in expected if site not in sites]
@@ -226,6 +246,8 @@ def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = 
     plan, sites = _plan(model, architecture, layout)
     expected = _hf_tensors(model, sites)
     _check_hf_tensors(weights, expected)
+    if weights.left_line():
+        print(weights.left_line(), file=sys.stderr)
     target = _dtype(dtype) or weights.dtype[expected[0][0]]
     if (save_dir / checkpoint_dir.TRACKER).exists() or (save_dir / checkpoint_dir.RELEASE).exists():
         raise ConversionError(f"{save_dir} already holds a checkpoint: choose an empty --save-dir")
@@ -394,9 +416,7 @@ def _write_hf(checkpoint, model, hf_tensors, shards, out: Path, stored, dtype, b
                 writer.write(name, block.reshape(count, *rest).to(dtype))
         else:  # rows scattered over the megatron tensor (QKV): read it whole once for its parts
             if whole.get("site") != site:
-                region = (lead + (0,) * len(site.shape), (1,) * len(lead) + site.shape, source)
-                tensor = torch_dist_io.read_regions(reader, {site.key: region})[site.key]
-                whole = {"site": site, "parts": site.mapping.to_hf(tensor.reshape(site.shape), model)}
+                whole = {"site": site, "parts": site.mapping.to_hf(_whole_tensors(reader, site, stored), model)}
             writer.write(name, whole["parts"][index].to(dtype))
         nbytes = _nbytes(shape, dtype)
         total += nbytes
@@ -405,6 +425,17 @@ def _write_hf(checkpoint, model, hf_tensors, shards, out: Path, stored, dtype, b
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _whole_tensors(reader, site: Site, stored: dict) -> list[torch.Tensor]:
+    """The megatron tensors of ``site`` whole, at its leading indices: its own, or every section's of a
+    module checkpointed in sections."""
+    keys = site.mapping.megatron_keys(site.key)
+    lead = site.prefix
+    regions = {key: (lead + (0,) * (len(stored[key].global_shape) - len(lead)),
+                     (1,) * len(lead) + tuple(stored[key].global_shape[len(lead):]), stored[key].dtype) for key in keys}
+    tensors = torch_dist_io.read_regions(reader, regions)
+    return [tensors[key].reshape(regions[key][1][len(lead):]) for key in keys]
 
 
 def _row_blocks(shape: tuple, dtype: torch.dtype) -> list[tuple[int, int]]:

@@ -3,7 +3,8 @@ as a ``ModelConfig``, and a declarative weight mapping between HF tensor names a
 keys (Megatron-Bridge style: one-to-one renames, the fused QKV projection, the gated MLP, each expert's).
 
 Architectures: Qwen2 (QKV bias), Llama (no biases), Qwen3 (QK-norm, a head size of its own) and Qwen3-MoE
-(Qwen3's attention, routed experts in every layer but ``mlp_only_layers``).
+(Qwen3's attention, routed experts in every layer but ``mlp_only_layers``) here; the hybrid Qwen3.5,
+Qwen3.5-MoE and Qwen3-Next in ``hf_hybrid``. The mapping primitives are ``weight_mappings``'.
 
 Megatron keys are the ones megatron's ``sharded_state_dict`` gives, i.e. what a torch_dist checkpoint
 holds: per-layer tensors under ``decoder.layers.<name>`` with a leading layer axis (under
@@ -15,18 +16,13 @@ loads at any EP), and the local spec's norms under their Transformer Engine name
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
 
-from .config import HYBRID_FIELDS, ModelConfig, ModelConfigError
-
-LAYER_PREFIX = "decoder.layers."
-
-
-class UnsupportedCheckpoint(ValueError):
-    """A Hugging Face checkpoint this converter cannot represent faithfully: names what and why."""
+from . import hf_hybrid
+from .config import ModelConfig, ModelConfigError
+from .weight_mappings import Architecture, GatedMLP, QKV, Rename, UnsupportedCheckpoint
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -46,14 +42,17 @@ def _rope_scaling(hf: dict):
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """The ModelConfig of a Qwen2, Llama, Qwen3 or Qwen3-MoE config.json; what megatron's GPTModel cannot
-    express is refused by name."""
+    """The ModelConfig of a config.json of ``ARCHITECTURES`` (a multimodal Qwen3.5's: of its language model,
+    ``hf_hybrid.language_model_config``); what megatron-core cannot express is refused by name."""
     architectures = hf.get("architectures") or [hf.get("model_type", "<none>")]
     architecture = architectures[0]
-    if architecture not in ARCHITECTURES:
+    if architecture not in ARCHITECTURES and architecture not in hf_hybrid.LANGUAGE_MODEL_OF:
         raise UnsupportedCheckpoint(
             f"architecture {architecture!r} (config.json 'architectures') is not supported: the converter "
-            f"knows {', '.join(ARCHITECTURES)}")
+            f"knows {', '.join([*ARCHITECTURES, *hf_hybrid.LANGUAGE_MODEL_OF])}")
+    if architecture in hf_hybrid.LANGUAGE_MODEL_OF or architecture in hf_hybrid.ARCHITECTURES:
+        text = hf_hybrid.language_model_config(hf)
+        return hf_hybrid.config_from_hf(text, text["architectures"][0])
     if _rope_scaling(hf) is not None:
         raise UnsupportedCheckpoint(f"rope scaling {_rope_scaling(hf)!r} is not supported: only plain RoPE")
     if hf.get("use_sliding_window"):
@@ -105,6 +104,8 @@ def config_to_hf(model: ModelConfig, architecture: str | None = None,
     """A config.json for ``model`` (used when a megatron checkpoint carries no original config.json), as
     ``architecture`` (default: ``architecture_for(model)``)."""
     architecture = architecture or architecture_for(model)
+    if architecture in hf_hybrid.ARCHITECTURES:
+        return {**hf_hybrid.config_json(model, architecture), "torch_dtype": str(dtype).removeprefix("torch.")}
     if (model.normalization, model.activation, model.position_embedding, model.add_bias_linear) != (
             "RMSNorm", "swiglu", "rope", False):
         raise UnsupportedCheckpoint(
@@ -152,126 +153,6 @@ def _qwen3_moe_config_json(model: ModelConfig) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------
 # weight mappings
-
-@dataclasses.dataclass(frozen=True)
-class Rename:
-    """One HF tensor is one megatron tensor. HF names hold ``{layer}`` and, for an expert's tensors,
-    ``{expert}`` (whose megatron tensor has a leading expert axis)."""
-    megatron: str
-    hf: str
-
-    def hf_names(self, layer: str, expert: str = "") -> list[str]:
-        return [self.hf.format(layer=layer, expert=expert)]
-
-    def hf_shapes(self, model: ModelConfig, megatron_shape: tuple) -> list[tuple]:
-        return [megatron_shape]
-
-    def to_megatron(self, tensors: list[torch.Tensor], model: ModelConfig) -> torch.Tensor:
-        return tensors[0]
-
-    def to_hf(self, tensor: torch.Tensor, model: ModelConfig) -> list[torch.Tensor]:
-        return [tensor]
-
-    def row_range(self, index: int, megatron_rows: int) -> tuple[int, int]:
-        return 0, megatron_rows
-
-
-@dataclasses.dataclass(frozen=True)
-class QKV:
-    """HF's separate q/k/v projections <-> megatron's fused ``linear_qkv``, whose rows run per query group:
-    that group's query heads, then its key head, then its value head (so a TP split by rows keeps whole
-    groups together)."""
-    megatron: str
-    q: str
-    k: str
-    v: str
-
-    def hf_names(self, layer: str, expert: str = "") -> list[str]:
-        return [name.format(layer=layer) for name in (self.q, self.k, self.v)]
-
-    def hf_shapes(self, model: ModelConfig, megatron_shape: tuple) -> list[tuple]:
-        d, rest = model.head_dim, tuple(megatron_shape[1:])
-        return [(model.num_attention_heads * d, *rest), (model.num_query_groups * d, *rest),
-                (model.num_query_groups * d, *rest)]
-
-    def to_megatron(self, tensors: list[torch.Tensor], model: ModelConfig) -> torch.Tensor:
-        q, k, v = tensors
-        groups, d = model.num_query_groups, model.head_dim
-        rest = q.shape[1:]
-        per_group = [q.reshape(groups, -1, d, *rest), k.reshape(groups, 1, d, *rest),
-                     v.reshape(groups, 1, d, *rest)]
-        return torch.cat(per_group, dim=1).reshape(-1, *rest)
-
-    def to_hf(self, tensor: torch.Tensor, model: ModelConfig) -> list[torch.Tensor]:
-        groups, d = model.num_query_groups, model.head_dim
-        per_group_heads = model.num_attention_heads // groups
-        rest = tensor.shape[1:]
-        grouped = tensor.reshape(groups, per_group_heads + 2, d, *rest)
-        q, k, v = grouped.split([per_group_heads, 1, 1], dim=1)
-        return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
-
-    def row_range(self, index: int, megatron_rows: int) -> None:
-        return None  # q, k and v rows interleave per group
-
-
-@dataclasses.dataclass(frozen=True)
-class GatedMLP:
-    """HF's gate and up projections <-> megatron's ``linear_fc1``: the gate half first (megatron's GLU
-    applies the activation to the first half). Names as in ``Rename``."""
-    megatron: str
-    gate: str
-    up: str
-
-    def hf_names(self, layer: str, expert: str = "") -> list[str]:
-        return [name.format(layer=layer, expert=expert) for name in (self.gate, self.up)]
-
-    def hf_shapes(self, model: ModelConfig, megatron_shape: tuple) -> list[tuple]:
-        half = (megatron_shape[0] // 2, *megatron_shape[1:])
-        return [half, half]
-
-    def to_megatron(self, tensors: list[torch.Tensor], model: ModelConfig) -> torch.Tensor:
-        return torch.cat(tensors, dim=0)
-
-    def to_hf(self, tensor: torch.Tensor, model: ModelConfig) -> list[torch.Tensor]:
-        return [t.contiguous() for t in tensor.chunk(2, dim=0)]
-
-    def row_range(self, index: int, megatron_rows: int) -> tuple[int, int]:
-        return index * megatron_rows // 2, megatron_rows // 2
-
-
-# Each mapping also says which rows of the megatron tensor HF tensor ``index`` is (``row_range``: start
-# and count, or None when its rows are scattered), so both directions can stream big tensors in row blocks.
-Mapping = Rename | QKV | GatedMLP
-
-
-def per_expert(mapping: Mapping) -> bool:
-    """One megatron tensor per expert (an expert axis in the checkpoint, ``{expert}`` in the HF names)."""
-    return any("{expert}" in name for name in dataclasses.astuple(mapping)[1:])
-
-
-@dataclasses.dataclass(frozen=True)
-class Architecture:
-    """One HF architecture: its config.json fields beyond the shared ones (both ways) and its weights as
-    (mapping, included for this model?) pairs; per-layer megatron names are relative to LAYER_PREFIX, HF
-    names hold {layer} (and {expert})."""
-    name: str
-    settings: Callable[[dict], dict]  # config.json -> ModelConfig fields of this architecture
-    config_json: Callable[[ModelConfig], dict]  # ModelConfig -> config.json fields of this architecture
-    embeddings: tuple
-    layer: tuple  # attention and norms: every layer
-    mlp: tuple  # a dense layer's MLP
-    moe: tuple = ()  # a MoE layer's router and experts
-
-    def mappings(self, model: ModelConfig) -> tuple[list[Mapping], list[Mapping], list[Mapping]]:
-        """The (whole-model, dense-layer, MoE-layer) mappings that apply to ``model``."""
-        if model.num_experts is not None and not self.moe:
-            raise UnsupportedCheckpoint(f"{self.name} has no experts, this model has num_experts="
-                                        f"{model.num_experts}: convert it as a MoE architecture or keep it as "
-                                        "a megatron checkpoint")
-        pick = lambda entries: [m for m, applies in entries if applies(model)]  # noqa: E731
-        layer = pick(self.layer)
-        return pick(self.embeddings), layer + pick(self.mlp), layer + pick(self.moe)
-
 
 _ALWAYS = lambda model: True  # noqa: E731
 _HF_LAYER = "model.layers.{layer}."
@@ -324,40 +205,14 @@ ARCHITECTURES = {
                                      _qwen3_config_json, _EMBEDDINGS, _ATTENTION, _MLP),
     "Qwen3MoeForCausalLM": Architecture("Qwen3MoeForCausalLM", _qwen3_moe_settings, _qwen3_moe_config_json,
                                         _EMBEDDINGS, _ATTENTION, _MLP, _QWEN3_MOE),
+    **hf_hybrid.ARCHITECTURES,
 }
-
-
-def hybrid_config_json(model: ModelConfig) -> dict:
-    """The text config.json of a hybrid ``model`` as Qwen3.5 writes it (``Qwen3_5TextConfig``, and
-    ``Qwen3_5MoeTextConfig`` with experts): what transformers builds the same model from. Its weights do not
-    convert yet (``architecture_for``)."""
-    if model.layer_types is None:
-        raise UnsupportedCheckpoint("hybrid_config_json takes a hybrid model (layer_types set)")
-    config = {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
-              "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
-              "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
-              "num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_query_groups,
-              "head_dim": model.head_dim, "max_position_embeddings": model.max_position_embeddings,
-              "rms_norm_eps": model.norm_epsilon, "tie_word_embeddings": model.tie_embeddings, "hidden_act": "silu",
-              "layer_types": list(model.layer_types), "attention_bias": False,
-              "rope_parameters": {"rope_type": "default", "rope_theta": model.rotary_base,
-                                  "partial_rotary_factor": model.rotary_percent},
-              **{name: getattr(model, name) for name in HYBRID_FIELDS}}
-    if model.num_experts is None:
-        return config
-    return {**config, "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
-            "num_experts": model.num_experts, "num_experts_per_tok": model.moe_router_topk,
-            "moe_intermediate_size": model.expert_ffn_hidden_size,
-            "shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
-            "router_aux_loss_coef": model.moe_aux_loss_coeff}
 
 
 def architecture_for(model: ModelConfig) -> str:
     """The HF architecture a megatron model of ``model`` is written back as."""
     if model.layer_types is not None:
-        raise UnsupportedCheckpoint(
-            "a hybrid model's (Gated DeltaNet, layer_types) weights do not convert to Hugging Face yet: keep it as a "
-            "megatron checkpoint")
+        return hf_hybrid.architecture_for(model)
     if model.qk_layernorm and not model.add_qkv_bias:
         return "Qwen3MoeForCausalLM" if model.num_experts is not None else "Qwen3ForCausalLM"
     if model.num_experts is not None or model.qk_layernorm:

@@ -44,10 +44,10 @@ def test_an_old_release_names_the_one_a_hybrid_model_needs():
 
 def _hf_config(model):
     """transformers' config of ``model``, from the config.json the project writes for it."""
-    from models.hf import hybrid_config_json
+    from models.hf import config_to_hf
 
-    return transformers.AutoConfig.for_model(**{k: v for k, v in hybrid_config_json(model).items()
-                                                if k != "architectures"})
+    return transformers.AutoConfig.for_model(**{k: v for k, v in config_to_hf(model).items()
+                                                if k not in ("architectures", "torch_dtype")})
 
 
 def _gated_qkv(attn, model) -> torch.Tensor:
@@ -161,10 +161,3 @@ def test_the_memory_plan_refuses_a_hybrid_model_it_cannot_count_yet():
 
     with pytest.raises(PlanError, match="Gated DeltaNet layers"):
         plan(models.get("qwen3.5-tiny"), tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=1, seq_length=64)
-
-
-def test_converting_a_hybrid_checkpoint_is_refused_in_one_line():
-    from models.hf import UnsupportedCheckpoint, architecture_for
-
-    with pytest.raises(UnsupportedCheckpoint, match="do not convert to Hugging Face yet"):
-        architecture_for(models.get("qwen3.5-moe-tiny"))

@@ -102,6 +102,20 @@ def test_qwen25_72b_is_the_recipe_model():
     assert m.add_qkv_bias and not m.add_bias_linear and not m.tie_embeddings
 
 
+
+@pytest.mark.parametrize("name, total, active, rounding", [
+    ("qwen3.5-9b", 9, None, 0.1), ("qwen3.5-35b-a3b", 35, 3, 0.5), ("qwen3.5-397b-a17b", 397, 17, 0.7),
+    ("qwen3-next-80b-a3b", 80, 3, 0.9)])
+def test_hybrid_sizes_are_what_their_names_publish(name, total, active, rounding):
+    """The hybrid flavours' numbers (from transformers' documented defaults and the flagship's model card,
+    models/qwen35.py) count the parameters their names publish: total and, for MoE, active."""
+    model = models.get(name)
+    assert model.num_parameters() / 1e9 == pytest.approx(total, abs=rounding)
+    if active is not None:
+        skipped = model.num_layers * (model.num_experts - model.moe_router_topk) * model.mlp_parameters(
+            model.expert_ffn_hidden_size)
+        assert (model.num_parameters() - skipped) / 1e9 == pytest.approx(active, abs=rounding)
+
 @pytest.fixture(scope="module")
 def one_rank():
     from models.torch_dist_io import single_process_groups
@@ -281,7 +295,7 @@ def test_hugging_face_conversion_refuses_what_no_architecture_holds():
 
     for architecture in ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM"):
         with pytest.raises(hf.UnsupportedCheckpoint, match="num_experts=8"):
-            hf.ARCHITECTURES[architecture].mappings(models.get("gpt-tiny-moe"))
+            hf.ARCHITECTURES[architecture].layers(models.get("gpt-tiny-moe"))
     with pytest.raises(hf.UnsupportedCheckpoint, match="Qwen3-MoE\\) needs QK-norm and no QKV bias"):
         hf.architecture_for(models.get("gpt-tiny-moe"))
     with pytest.raises(hf.UnsupportedCheckpoint, match="moe_shared_expert_intermediate_size=128.*routed experts"):
