@@ -108,7 +108,9 @@ def check_corpus(prefix: str, vocab_size: int, scan_tokens: bool = True) -> None
     if size > index.end:
         raise DataError(f"{bin_path} is {size} bytes, {size - index.end} more than the {index.end} its index "
                         f"{prefix}.idx describes: the .idx is another corpus's; {_REWRITE}")
-    token = largest_token_id(bin_path, index.dtype) if scan_tokens else 0
+    if not scan_tokens:
+        return
+    token = largest_token_id(bin_path, index.dtype)
     if not 0 <= token < vocab_size:
         raise DataError(f"{bin_path} holds token id {token}, outside the model's vocabulary of {vocab_size} (ids 0 "
                         f"to {vocab_size - 1}): it was tokenized with another tokenizer; preprocess it again with "
@@ -117,11 +119,11 @@ def check_corpus(prefix: str, vocab_size: int, scan_tokens: bool = True) -> None
 
 def check_corpora(prefixes: list[str], vocab_size: int, scan_tokens: bool, timeout: datetime.timedelta) -> None:
     """``check_corpus`` for each prefix once, on rank 0 (the first to build the datasets; megatron's builder
-    then has every rank read the same files). A refusal reaches every rank out of band (``shared_outcome``):
-    each prints the one error line and stops, none is left waiting for rank 0 in a collective; rank 0 waits
-    up to ``timeout`` for them to have read it. The others wait in a barrier meanwhile, so the process group's
-    timeout (--distributed-timeout-minutes) must cover rank 0's pass over the data. Without a process group
-    (the provider called on its own) this process checks."""
+    then has the other data-reading ranks open the same files). A refusal reaches every rank out of band
+    (``shared_outcome``): each prints the one error line and stops, none is left waiting for rank 0 in a
+    collective; rank 0 waits up to ``timeout`` for them to have read it. The others wait in a barrier
+    meanwhile, so the process group's timeout (--distributed-timeout-minutes) must cover rank 0's pass over
+    the data. Without a process group (the provider called on its own) this process checks."""
     def check_each():
         for prefix in dict.fromkeys(prefixes):
             check_corpus(prefix, vocab_size, scan_tokens)
