@@ -451,7 +451,8 @@ def render(data: dict) -> str:
              else f"not in force (-W / PYTHONWARNINGS or {quiet_warnings.SHOW_ALL_ENV})")
     lines += ["", f"warnings answered by the adapter (adapter.quiet_warnings): {state}"]
     for row in data["quiet_warnings"]:
-        lines.append(f"  {row['action']:<8} {row['category']} from {row['module']}*: {row['message']}")
+        where = "" if row["where"] == "everywhere" else f" ({row['where']})"
+        lines.append(f"  {row['action']:<8} {row['category']} from {row['module']}*: {row['message']}{where}")
         lines.append(f"  {'':<8} why: {row['why']}")
     lines.append("")
     if data["problems"]:

@@ -17,13 +17,12 @@ import json
 import multiprocessing
 import os
 import sys
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a checkout
 os.environ.setdefault("ADAPTER_BACKEND", "cpu")  # tokenizing never needs an accelerator
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
+import adapter  # noqa: E402,F401 - before megatron: its warning filters (adapter.quiet_warnings) are in time
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 

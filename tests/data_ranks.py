@@ -19,9 +19,12 @@ def _setup(tp: int, pp: int, data_prefix: str, tokenizer_model: str, cache: str,
     args = argparse.Namespace(
         tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=tokenizer_model, data_path=[data_prefix],
         split="98,2,0", seq_length=32, seed=1234, data_cache_path=cache, micro_batch_size=2,
-        dataloader_type="single", num_workers=0, create_attention_mask_in_dataloader=with_mask)
+        dataloader_type="single", num_workers=0, create_attention_mask_in_dataloader=with_mask,
+        distributed_timeout_minutes=1)
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = tokenizer.vocab_size
     global_vars.set_args(args)
-    global_vars.set_tokenizer(build_tokenizer(args))
+    global_vars.set_tokenizer(tokenizer)
     return args
 
 

@@ -5,9 +5,9 @@ MASTER_ADDR, MASTER_PORT set as torchrun sets them) and returns each rank's retu
 a module-level function of an importable module. A failing rank's stderr is raised in the test; a rank
 still running at the timeout is killed, so a broken collective fails the test instead of hanging it.
 
-It and ``launch_ranks`` (every rank run to its own end, for tests of how ranks stop) are the suite's
-launchers of multi-rank tests: every test that calls one is marked ``multiproc`` (tests/test_markers.py
-checks the sources).
+It, ``launch_ranks`` (every rank run to its own end, for tests of how ranks stop) and ``launch_script`` (a
+script of the repository on fresh ranks, as a user starts it) are the suite's launchers of multi-rank tests:
+every test that calls one is marked ``multiproc`` (tests/test_markers.py checks the sources).
 
 Importing torch, the adapter and megatron costs a rank about 8 s of CPU, more than most rank functions
 run. So ``run_ranks`` forks its ranks from an interpreter that has imported them once (a zygote), one per
@@ -84,6 +84,20 @@ def launch_ranks(world_size: int, fn, *args, env: dict | None = None, timeout: f
         _stop(procs)
         return [{"status": statuses[r], "seconds": ended[r] or time.monotonic() - start,
                  "log": (tmp / f"rank{r}.log").read_text()} for r in range(world_size)]
+
+
+def launch_script(script: str, argv: list[str], world_size: int = 2, env: dict | None = None,
+                  timeout: float = 300.0) -> list[tuple[int, str]]:
+    """A script of the repository (e.g. scripts/pretrain_gpt.py) on ``world_size`` fresh interpreters with
+    torchrun's environment, as a user launches it: per rank, (exit status, everything it printed)."""
+    port, base = str(free_port()), _base_env(env)
+    procs = [subprocess.Popen([sys.executable, script, *map(str, argv)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(world_size)]
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [(p.returncode, output) for p, output in zip(procs, outputs)]
 
 
 def _base_env(env: dict | None) -> dict:

@@ -5,14 +5,10 @@ user sees)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from adapter.training.arguments import ArgumentError, parse_args, validate_args
-from tests.distributed import ROOT, free_port
+from tests.distributed import launch_script
 
 BASE = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
 TINY = ["--model", "qwen2.5-tiny", *BASE]
@@ -123,18 +119,6 @@ def test_a_tracker_naming_a_missing_iteration_is_refused_naming_the_newest_compl
         "to resume from it")
 
 
-def _launch_two_ranks(argv: list[str]) -> tuple[list[int], str]:
-    """scripts/pretrain_gpt.py on 2 ranks with torchrun's environment; (exit statuses, all output)."""
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "scripts/pretrain_gpt.py", *argv], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-             for r in range(2)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    return [p.returncode for p in procs], "".join(outputs)
-
-
 # one refusal per stage a launch reaches (the model named, the tokenizer built, the data opened), and the
 # command line itself: each costs two fresh interpreters
 LAUNCHED = [REFUSED[i] for i in (0, 8, 15)] + [
@@ -148,8 +132,9 @@ LAUNCHED = [REFUSED[i] for i in (0, 8, 15)] + [
 @pytest.mark.multiproc
 @pytest.mark.parametrize("argv, world, message", LAUNCHED, ids=[m[:40] for _, _, m in LAUNCHED])
 def test_two_ranks_refuse_with_one_error_line_and_no_traceback(argv, world, message, tmp_path):
-    statuses, output = _launch_two_ranks(argv)
-    assert statuses == [2, 2], output[-3000:]
+    ranks = launch_script("scripts/pretrain_gpt.py", argv)
+    output = "".join(output for _, output in ranks)
+    assert [status for status, _ in ranks] == [2, 2], output[-3000:]
     errors = [line for line in output.splitlines() if "error:" in line]
     assert len(errors) == 1, output[-3000:]
     assert message in output and "Traceback" not in output, output[-3000:]

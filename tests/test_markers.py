@@ -2,7 +2,7 @@
 
 ``cuda``, ``npu`` and ``megatron_lm`` skip their tests, with the reason, where the device or Megatron-LM
 is missing; the marker tests run a small marked file through pytester with each requirement faked absent
-or present. Every test that starts ranks through tests/distributed.run_ranks or launch_ranks must be ``multiproc``, so
+or present. Every test that starts ranks through tests/distributed's launchers must be ``multiproc``, so
 ``-m "not multiproc"`` is a run without subprocess ranks; that is checked on the test sources.
 """
 
@@ -121,6 +121,9 @@ def _calls(node: ast.AST, name: str) -> bool:
                for n in ast.walk(node))
 
 
+LAUNCHERS = ("run_ranks", "launch_ranks", "launch_script")  # tests/distributed's
+
+
 def test_every_test_that_starts_ranks_is_marked_multiproc():
     unmarked = []
     for path in sorted(TESTS.glob("test_*.py")):
@@ -128,7 +131,7 @@ def test_every_test_that_starts_ranks_is_marked_multiproc():
         module_marks = set().union(*(_mark_names(n) for n in tree.body if isinstance(n, ast.Assign)
                                      and any(getattr(t, "id", None) == "pytestmark" for t in n.targets)))
         for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and (_calls(node, "run_ranks") or _calls(node, "launch_ranks")):
+            if isinstance(node, ast.FunctionDef) and any(_calls(node, launcher) for launcher in LAUNCHERS):
                 marks = module_marks | set().union(*map(_mark_names, node.decorator_list))
                 if "multiproc" not in marks:
                     unmarked.append(f"{path.name}::{node.name}")

@@ -11,6 +11,7 @@ and load batches; ``get_batch`` broadcasts each batch to the rest of the tensor-
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 
@@ -24,6 +25,7 @@ from packaging.version import Version
 
 from adapter import device
 from adapter.registry import installed_megatron_core_version
+from adapter.training.data_check import check_corpora
 from adapter.training.global_vars import get_args, get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -85,9 +87,13 @@ def _creates_attention_mask(args: argparse.Namespace) -> bool:
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """Megatron-LM's GPT dataset provider: (train, valid, test) datasets of at least the given numbers of
-    samples. Called on every rank (``is_distributed``); ranks that read no data get None."""
+    samples. Called on every rank (``is_distributed``); ranks that read no data get None. The corpora are
+    checked first (``data_check.check_corpora``): a bad one stops every rank here, before the first step."""
     args = get_args()
     config = gpt_dataset_config(args, get_tokenizer())
+    if not config.mock:
+        check_corpora(config.blend[0], args.padded_vocab_size, getattr(args, "check_token_ids", True),
+                      datetime.timedelta(minutes=args.distributed_timeout_minutes))
     dataset_type = MockGPTDataset if config.mock else GPTDataset
     log_single_rank(logger, logging.INFO, f"building {dataset_type.__name__} train, validation and test datasets")
     return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, is_dataset_built_on_rank,
