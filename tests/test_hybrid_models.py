@@ -161,3 +161,20 @@ def test_the_memory_plan_refuses_a_hybrid_model_it_cannot_count_yet():
 
     with pytest.raises(PlanError, match="Gated DeltaNet layers"):
         plan(models.get("qwen3.5-tiny"), tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=1, seq_length=64)
+
+
+@pytest.mark.parametrize("name, gpt_model", [("qwen2.5-tiny", True), ("qwen3.5-tiny", False)])
+def test_megatrons_deprecation_line_is_logged_only_where_a_gpt_model_runs(name, gpt_model, caplog):
+    """docs/ARCHITECTURE.md, "GPTModel and HybridModel": the GPT-stack models build GPTModel (and 0.19 says it
+    is deprecated), the hybrid ones HybridModel (and nothing says so)."""
+    from models.provider import make_model_provider
+    from tests.kernel_reference import one_rank_model_parallel
+
+    if not gpt_model and NO_HYBRID:
+        pytest.skip("this megatron-core has no HybridModel")
+    with one_rank_model_parallel(), caplog.at_level("WARNING", logger="megatron.core.models.gpt.gpt_model"):
+        built = make_model_provider(models.get(name))()
+    deprecated = [r for r in caplog.records if "GPTModel IS DEPRECATED" in r.getMessage()]
+    assert type(built).__name__ == ("GPTModel" if gpt_model else "HybridModel")
+    says_so = gpt_model and Version(installed_megatron_core_version()) >= Version("0.19")
+    assert len(deprecated) == (1 if says_so else 0)
