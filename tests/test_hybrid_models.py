@@ -156,11 +156,64 @@ def test_the_flow_trains_a_hybrid_model_and_resumes_it_bit_exactly(name, tmp_pat
     assert resumed == {i: curve[i] for i in range(4, 7)}
 
 
-def test_the_memory_plan_refuses_a_hybrid_model_it_cannot_count_yet():
-    from adapter.training.memory_plan import PlanError, plan
+# the launchers' settings (scripts/pretrain_qwen35_*.sh) at toy size on two ranks
+LAUNCHER_LAYOUTS = {
+    "tp2-sp-recompute": ("qwen3.5-tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                         "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
+                         "1", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather"),
+    "pp2": ("qwen3.5-tiny", "--pipeline-model-parallel-size", "2"),
+    "ep2-grouped-alltoall": ("qwen3.5-moe-tiny", "--expert-model-parallel-size", "2", "--moe-grouped-gemm",
+                             "--moe-token-dispatcher-type", "alltoall", "--moe-permute-fusion"),
+}
 
-    with pytest.raises(PlanError, match="Gated DeltaNet layers"):
-        plan(models.get("qwen3.5-tiny"), tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=1, seq_length=64)
+
+@needs_hybrid
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", list(LAUNCHER_LAYOUTS))
+def test_the_flow_trains_a_hybrid_model_at_the_launchers_layouts(layout):
+    """TP 2 with sequence parallelism and full recompute of megatron's hybrid layers, PP 2 (the pattern split
+    over two stages) and EP 2 with grouped experts: six iterations on two ranks, the loss falling."""
+    from tests.distributed import run_ranks
+    from tests.pretrain_ranks import logged_losses, run_pretrain
+
+    name, *settings = LAUNCHER_LAYOUTS[layout]
+    curve = logged_losses(run_ranks(2, run_pretrain, _flow_argv(name, *settings)))
+    assert sorted(curve) == list(range(1, 7)) and curve[6] < curve[1] - 0.3
+
+
+def _gated_delta_net_layer_bytes(tokens: int, tp: int) -> float:
+    """By hand, one Qwen3.5-9B Gated DeltaNet layer (16 key and 32 value heads of 128) and its MLP (FFN
+    12288), flash-linear-attention's kernel, no dropout, sequence parallel, bf16."""
+    e, h, f, k_d, v_d, n_v = 2, 4096, 12288, 16 * 128, 32 * 128, 32
+    sequence_region = 4 * e * h  # the two norms' inputs, in_proj's and FC1's inputs
+    mixer = e * (2 * k_d + 2 * v_d + 2 * n_v) + e * (2 * k_d + v_d) + e * 2 * k_d + 8 * n_v + 2 * e * v_d
+    return tokens * (sequence_region + mixer + 3 * e * f) / tp
+
+
+def _attention_layer_bytes(tokens: int, tp: int) -> float:
+    """By hand, one Qwen3.5-9B gated attention layer (16 query and 4 key-value heads of 256, QK-norm) and its
+    MLP, flash attention, sequence parallel."""
+    e, h, f, a, g, d = 2, 4096, 12288, 16, 4, 256
+    attention = e * (a * d + 2 * g * d) + e * a * d + 4 * a + (e * d + 4) * (a + g) + 2 * e * a * d  # + the gate
+    return tokens * (4 * e * h + attention + 3 * e * f) / tp
+
+
+def test_the_memory_plan_counts_gated_delta_net_layers_by_hand():
+    """Qwen3.5-9B at TP 2 x PP 2: every parameter once over TP and stages (Gated DeltaNet's output norm, the
+    layer norms and QK-norms whole), and each stage's activations three Gated DeltaNet layers to one
+    attention layer; full recompute keeps one input per megatron layer, two per model layer."""
+    from adapter.training.memory_plan import plan
+
+    model = models.get("qwen3.5-9b")
+    sizes = dict(tp=2, pp=2, dp=1, micro_batch_size=1, global_batch_size=2, seq_length=4096)
+    stages = plan(model, **sizes).stages
+    whole = 24 * 128 + 8 * 2 * 256 + 32 * 2 * 4096 + 4096  # GDN out norms, QK-norms, layer norms, final norm
+    assert (sum(s.parameters for s in stages) - whole) * 2 + whole == model.num_parameters()
+    layer = (12 * _gated_delta_net_layer_bytes(4096, 2) + 4 * _attention_layer_bytes(4096, 2)) / 16
+    assert [s.activations for s in stages] == [round(2 * 16 * layer), round(16 * layer)]
+    recomputed = plan(model, **sizes, recompute="full").stages[1]
+    assert recomputed.activations == round(32 * 4096 * 2 * 4096 / 2)
 
 
 @pytest.mark.parametrize("name, gpt_model", [("qwen2.5-tiny", True), ("qwen3.5-tiny", False)])

@@ -75,10 +75,10 @@ def test_optimizer_shards_divide_by_data_parallel_size():
     assert bf16_grads.stages[0].grads == bf16_grads.stages[0].parameters * 2
 
 
-# hybrid models (Gated DeltaNet) are refused by the plan for now: tests/test_hybrid_models.py
-@pytest.mark.parametrize("name", [name for name in models.names() if models.get(name).layer_types is None])
+@pytest.mark.parametrize("name", models.names())
 def test_single_device_weights_are_the_whole_model(name):
-    """Every named config, Qwen3's heads of 128 against hidden / heads and QK-norm included."""
+    """Every named config, Qwen3's heads of 128 against hidden / heads and QK-norm included, and the hybrid
+    ones' Gated DeltaNet layers."""
     model = models.get(name)
     small = dict(tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=1, seq_length=model.seq_length)
     assert sum(s.parameters for s in plan(model, **small).stages) == model.num_parameters()
@@ -502,6 +502,8 @@ QWEN3_SCRIPTS = {
     "qwen3-8b": ("pretrain_qwen3_8b.sh", dict(tp=2, pp=2, ep=1, devices=8)),
     "qwen3-30b-a3b": ("pretrain_qwen3_30b_a3b.sh", dict(tp=1, pp=4, ep=4, devices=16)),
     "qwen3-235b-a22b": ("pretrain_qwen3_235b_a22b.sh", dict(tp=2, pp=2, ep=64, devices=256)),
+    "qwen3.5-9b": ("pretrain_qwen35_9b.sh", dict(tp=2, pp=2, ep=1, devices=8)),
+    "qwen3.5-397b-a17b": ("pretrain_qwen35_397b_a17b.sh", dict(tp=2, pp=4, ep=32, devices=256)),
 }
 DEVICE_BYTES, RESERVE = 64 * 10**9, 8 * 2**30
 
@@ -537,4 +539,5 @@ def test_qwen3_dry_run_prints_a_command_the_flow_accepts_and_a_plan_that_fits(tm
     assert (float(peak.group(1)), int(peak.group(2))) == (round(expected.peak.total / 2**30, 1), expected.peak.stage)
     assert expected.peak.total < DEVICE_BYTES - RESERVE
     if layout["ep"] > 1:
-        assert f"{128 // layout['ep']} of 128 per device" in done.stdout
+        experts = models.get(name).num_experts
+        assert f"{experts // layout['ep']} of {experts} per device" in done.stdout

@@ -64,6 +64,19 @@ dim, g = query groups, f = FFN size):
   so k x 3ef_e / t with SwiGLU; a shared expert of f_s keeps what an MLP of f_s does, 3ef_s / t. Layers of
   a stage differ (``moe_layer_freq``): a pass holds the stage's mean layer that many times.
 
+Hybrid models (Qwen3.5, Qwen3-Next: ``layer_types``) have, in place of attention in three layers of four, a
+Gated DeltaNet mixer, with k_d = key heads x key head dim, v_d = value heads x value head dim and n_v value
+heads. Its parameters: the input projection (2k_d + 2v_d + 2n_v) x h, the convolution (2k_d + v_d) x its
+width, A_log and dt_bias (n_v each), all split over TP by head, the output projection v_d x h, split, and
+the output norm over one value head, whole. What it keeps per token, over t: the input projection's output
+e(2k_d + 2v_d + 2n_v), the convolution's output after silu e(2k_d + v_d), q and k after their L2 norm
+e*2k_d, the decay g and beta in fp32 (8n_v), the gated delta rule's output and the gated norm's output (the
+output projection's input), 2e*v_d. This is what flash-linear-attention's chunked kernel keeps (it recomputes
+its per-chunk states in the backward pass); the torch implementation the cpu and npu providers run keeps its
+per-chunk products too and is not counted. The gated attention layers keep the output gate's projection and
+the gated output besides (2e*ad). megatron's hybrid stack counts two layers per model layer (the mixer, then
+the MLP or MoE block), so full recompute with N layers per group keeps ceil(2l/N) inputs for l model layers.
+
 Summed for GeLU, MHA, unfused attention with dropout and f = 4h: 10h + 8h + 5as + 16h = 34h + 5as, the
 paper's formula. For Qwen2.5 with flash attention and no dropout: (4eh)/t + (eh(2 + 2g/a) + 4a + 3ef)/t;
 Qwen3 adds QK-norm and its attention width is ad: (4eh)/t + (e*ad(2 + 2g/a) + (ed + 4)(a + g) + 4a + 3ef)/t.
@@ -94,7 +107,7 @@ import warnings
 
 from adapter.parallel import ParallelConfigError, check_sizes
 from adapter.training.arguments import add_moe_model_arguments
-from models.config import ModelConfig, ModelConfigError
+from models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, ModelConfigError
 
 
 GIB = 2**30
@@ -201,16 +214,26 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _layer_parameters(model: ModelConfig, moe: bool) -> tuple[int, int, int]:
-    """(split over TP, whole on every TP rank, experts) parameters of one transformer layer, a MoE layer's
-    routed experts (split over EP x expert TP) apart from the rest."""
+def _mixer_parameters(model: ModelConfig, mixer: str) -> tuple[int, int]:
+    """(split over TP, whole on every TP rank) parameters of a layer's token mixer: attention, or Gated
+    DeltaNet (its projections, convolution, A_log and dt_bias split by head; its output norm over one value
+    head, whole)."""
+    if mixer == LINEAR_ATTENTION:
+        return model.gated_delta_net_parameters() - model.linear_value_head_dim, model.linear_value_head_dim
     h, d, qkv = model.hidden_size, model.head_dim, model.qkv_rows
-    norm = 2 * h if model.normalization == "LayerNorm" else h
     qk_norms = 2 * (2 * d if model.normalization == "LayerNorm" else d) if model.qk_layernorm else 0
-    row_bias = h if model.add_bias_linear else 0  # a row-parallel layer's bias (projection, FC2) is whole
     # QKV: h -> (a + 2g)d rows; the output projection: the attention width ad -> h (ad = h unless kv_channels)
-    split = qkv * h + model.num_attention_heads * d * h + (qkv if model.add_qkv_bias else 0)
-    whole = 2 * norm + qk_norms + row_bias
+    return qkv * h + model.num_attention_heads * d * h + (qkv if model.add_qkv_bias else 0), qk_norms
+
+
+def _layer_parameters(model: ModelConfig, moe: bool, mixer: str = FULL_ATTENTION) -> tuple[int, int, int]:
+    """(split over TP, whole on every TP rank, experts) parameters of one transformer layer (a hybrid model's
+    token mixer and MLP or MoE block), a MoE layer's routed experts (split over EP x expert TP) apart."""
+    h = model.hidden_size
+    norm = 2 * h if model.normalization == "LayerNorm" else h
+    row_bias = h if model.add_bias_linear else 0  # a row-parallel layer's bias (projection, FC2) is whole
+    split, mixer_whole = _mixer_parameters(model, mixer)
+    whole = 2 * norm + mixer_whole + row_bias
     if not moe:
         return split + model.mlp_parameters(model.ffn_hidden_size) - row_bias, whole + row_bias, 0
     shared = model.moe_shared_expert_intermediate_size  # megatron's shared experts have no biases
@@ -231,10 +254,10 @@ def stage_layers(model: ModelConfig, stage: int, pp: int, vpp: int | None = None
 def _stage_parameters(model: ModelConfig, stage: int, pp: int, vpp: int | None, tp: int,
                       experts_split: int) -> tuple[int, int]:
     """(all, routed experts') parameters on one device of pipeline rank ``stage``."""
-    h, pattern = model.hidden_size, model.moe_layer_pattern()
+    h, pattern, mixers = model.hidden_size, model.moe_layer_pattern(), model.mixers()
     split = whole = experts = 0
     for layer in stage_layers(model, stage, pp, vpp):
-        layer_split, layer_whole, layer_experts = _layer_parameters(model, pattern[layer])
+        layer_split, layer_whole, layer_experts = _layer_parameters(model, pattern[layer], mixers[layer])
         split, whole, experts = split + layer_split, whole + layer_whole, experts + layer_experts
     if stage == 0:
         split += model.vocab_size * h
@@ -254,28 +277,49 @@ def _mlp_activations(model: ModelConfig, e: int, ffn: int | None) -> int:
     return (3 if model.activation == "swiglu" else 2) * e * ffn if ffn else 0
 
 
-def _activation_bytes_per_token(model: ModelConfig, *, moe: bool, act_bytes: int, seq_per_rank: int, tp: int,
-                                etp: int, sequence_parallel: bool, flash_attention: bool, selective: bool,
-                                hidden_dropout: bool, attention_dropout: bool) -> float:
-    """One layer's saved activations per token of a micro-batch, when the layer is not fully recomputed."""
-    e, h, d = act_bytes, model.hidden_size, model.head_dim
-    a, g = model.num_attention_heads, model.num_query_groups
-    sequence_region = 4 * e * h + (2 * h if hidden_dropout else 0)
+def _attention_activations(model: ModelConfig, e: int, seq_per_rank: int, flash_attention: bool, selective: bool,
+                           attention_dropout: bool) -> float:
+    """What an attention mixer keeps per token, all of it split over TP (module docstring)."""
+    d, a, g = model.head_dim, model.num_attention_heads, model.num_query_groups
     # the QK-norms' inputs (un-normed Q and K) and their fp32 reciprocal RMS per head, outside core attention
     qk_norms = (e * d + 4) * (a + g) if model.qk_layernorm else 0
+    # the output gate's projection and the gated output (the projection's input) beside the attention output
+    gate = 2 * e * a * d if model.attention_output_gate else 0
     if selective or flash_attention:
         attention = e * (a * d + 2 * g * d) + e * a * d + (0 if selective else 4 * a)
     else:
         scores = e * a * seq_per_rank + ((1 + e) * a * seq_per_rank if attention_dropout else 0)
         attention = 3 * e * a * d + e * a * d + scores
-    attention += qk_norms
+    return attention + qk_norms + gate
+
+
+def _gated_delta_net_activations(model: ModelConfig, e: int) -> float:
+    """What a Gated DeltaNet mixer keeps per token, all of it split over TP (module docstring)."""
+    qk = model.linear_num_key_heads * model.linear_key_head_dim
+    v, heads = model.linear_num_value_heads * model.linear_value_head_dim, model.linear_num_value_heads
+    projected = e * (2 * qk + 2 * v + 2 * heads)  # in_proj's output: q, k, v, z, beta and the decay's input
+    convolved = e * (2 * qk + v)  # the convolution's output after silu
+    normalised = e * 2 * qk  # q and k after their L2 norm
+    return projected + convolved + normalised + 8 * heads + 2 * e * v  # g, beta in fp32; the core and gated outputs
+
+
+def _activation_bytes_per_token(model: ModelConfig, *, moe: bool, mixer: str, act_bytes: int, seq_per_rank: int,
+                                tp: int, etp: int, sequence_parallel: bool, flash_attention: bool, selective: bool,
+                                hidden_dropout: bool, attention_dropout: bool) -> float:
+    """One layer's saved activations per token of a micro-batch, when the layer is not fully recomputed."""
+    e, h = act_bytes, model.hidden_size
+    sequence_region = 4 * e * h + (2 * h if hidden_dropout else 0)
+    if mixer == LINEAR_ATTENTION:
+        mixing = _gated_delta_net_activations(model, e)
+    else:
+        mixing = _attention_activations(model, e, seq_per_rank, flash_attention, selective, attention_dropout)
     if moe:
         sequence_region += 8 * model.num_experts  # the router's fp32 logits and scores
         routed = model.moe_router_topk * (e * h * etp + _mlp_activations(model, e, model.expert_ffn_hidden_size))
         mlp = routed + _mlp_activations(model, e, model.moe_shared_expert_intermediate_size)
     else:
         mlp = _mlp_activations(model, e, model.ffn_hidden_size)
-    return sequence_region / (tp if sequence_parallel else 1) + (attention + mlp) / tp
+    return sequence_region / (tp if sequence_parallel else 1) + (mixing + mlp) / tp
 
 
 def passes_in_flight(pp: int, vpp: int | None, rank: int, num_microbatches: int) -> int:
@@ -308,8 +352,6 @@ def _check_plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, dp: in
                 sequence_parallel: bool, recompute: str | None, recompute_method: str,
                 recompute_num_layers: int) -> int:
     """Refuse what megatron would; returns the number of micro-batches per step."""
-    _check(model.layer_types is None, "the memory plan does not yet count a hybrid model's Gated DeltaNet layers "
-                                      "(layer_types): plan a GPT model, or size this one from a short run")
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp), ("ep", ep), ("etp", etp),
                         ("micro_batch_size", micro_batch_size), ("global_batch_size", global_batch_size),
                         ("seq_length", seq_length), ("recompute_num_layers", recompute_num_layers)):
@@ -319,6 +361,10 @@ def _check_plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, dp: in
     _check(recompute_method in ("uniform", "block"), f"recompute_method={recompute_method!r}: use uniform or block")
     _check_layout(tp * pp * cp * dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, model=model, seq_length=seq_length,
                   sequence_parallel=sequence_parallel)
+    try:  # what check_sizes does not know of the model: Gated DeltaNet's heads over TP
+        model.check_layout(tp=tp)
+    except ModelConfigError as exc:
+        raise PlanError(str(exc)) from None
     per_step = micro_batch_size * dp
     _check(global_batch_size % per_step == 0,
            f"global batch {global_batch_size} is not divisible by micro batch {micro_batch_size} x DP {dp} = "
@@ -366,22 +412,24 @@ def plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None = None, dp: in
     shards, expert_shards = (dp * cp, tp * dp * cp // (etp * ep)) if distributed_optimizer else (1, 1)
     tokens = seq_length // cp * micro_batch_size
     sequence_split = tp if sequence_parallel else 1
-    layer_bytes = {moe: tokens * _activation_bytes_per_token(
-        model, moe=moe, act_bytes=weight_bytes, seq_per_rank=seq_length // cp, tp=tp, etp=etp,
+    kinds = list(zip(model.mixers(), model.moe_layer_pattern()))  # each layer's (token mixer, MoE?)
+    layer_bytes = {(mixer, moe): tokens * _activation_bytes_per_token(
+        model, moe=moe, mixer=mixer, act_bytes=weight_bytes, seq_per_rank=seq_length // cp, tp=tp, etp=etp,
         sequence_parallel=sequence_parallel, flash_attention=flash_attention, selective=recompute == "selective",
-        hidden_dropout=hidden_dropout > 0, attention_dropout=attention_dropout > 0)
-        for moe in set(model.moe_layer_pattern())}
+        hidden_dropout=hidden_dropout > 0, attention_dropout=attention_dropout > 0) for mixer, moe in set(kinds)}
     layers_per_pass = model.num_layers // (pp * (vpp or 1))
+    # megatron's hybrid stack has two layers per model layer (mixer, MLP/MoE): recompute counts those
+    stack_layers = 2 if model.layer_types else 1
     logits = tokens * (2 * weight_bytes * model.hidden_size / sequence_split
                        + (weight_bytes + 4) * model.vocab_size / tp)
     stages = []
     for stage in range(pp):
         parameters, experts = _stage_parameters(model, stage, pp, vpp, tp, ep * etp)
-        pattern = [model.moe_layer_pattern()[layer] for layer in stage_layers(model, stage, pp, vpp)]
-        mean_layer = sum(layer_bytes[moe] for moe in pattern) / len(pattern)
+        pattern = [kinds[layer] for layer in stage_layers(model, stage, pp, vpp)]
+        mean_layer = sum(layer_bytes[kind] for kind in pattern) / len(pattern)
         in_flight = passes_in_flight(pp, vpp, stage, num_microbatches)
-        pass_bytes = _pass_bytes(mean_layer, tokens * weight_bytes * model.hidden_size / sequence_split,
-                                 layers_per_pass, recompute, recompute_method, recompute_num_layers)
+        pass_bytes = _pass_bytes(mean_layer / stack_layers, tokens * weight_bytes * model.hidden_size / sequence_split,
+                                 layers_per_pass * stack_layers, recompute, recompute_method, recompute_num_layers)
         stages.append(StagePlan(
             stage=stage, layers=model.num_layers // pp, parameters=parameters, expert_parameters=experts,
             passes_in_flight=in_flight, layers_per_pass=layers_per_pass, weights=parameters * weight_bytes,
