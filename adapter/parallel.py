@@ -47,6 +47,8 @@ class ModelShape:
     moe_shared_expert_intermediate_size: int | None = None
     expert_bias: bool = False
     seq_length: int | None = None
+    # a hybrid model's Gated DeltaNet (key heads, value heads): split over TP, then each rank's over CP
+    linear_attention_heads: tuple[int, int] | None = None
 
 
 def check_sizes(world_size: int | None, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
@@ -70,6 +72,7 @@ def check_sizes(world_size: int | None, *, tp: int = 1, pp: int = 1, cp: int = 1
                                   "Drop the virtual pipeline size or use a pipeline.")
     if model is not None:
         _check_model(model, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+        _check_linear_attention(model.linear_attention_heads, tp=tp, cp=cp)
         _check_sequence(model.seq_length, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
     if world_size is None:
         return None
@@ -113,6 +116,19 @@ def _check_model(model: ModelShape, *, tp: int, pp: int, vpp: int | None, ep: in
     if model.num_experts is not None and model.expert_bias and etp > 1:
         raise ParallelConfigError(f"expert tensor parallel size {etp} with add_bias_linear=True: megatron supports "
                                   "expert biases only at expert tensor parallel size 1")
+
+
+def _check_linear_attention(heads: tuple[int, int] | None, *, tp: int, cp: int) -> None:
+    """Gated DeltaNet's key and value heads over TP, then each TP rank's over CP: megatron-core's context
+    parallelism for it is an all-to-all from sequence chunks to heads."""
+    if heads is None:
+        return
+    bad = [f"{name}={value}" for name, value in zip(("linear_num_key_heads", "linear_num_value_heads"), heads)
+           if value % (tp * cp)]
+    if bad:
+        sizes = f"tensor parallel size {tp}" + (f" x context parallel size {cp}" if cp > 1 else "")
+        raise ParallelConfigError(f"{sizes} does not divide Gated DeltaNet's {', '.join(bad)}: choose sizes whose "
+                                  "product divides them")
 
 
 def _check_sequence(seq_length: int | None, *, tp: int, cp: int, sequence_parallel: bool) -> None:

@@ -241,11 +241,6 @@ class ModelConfig:
             check_sizes(None, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, model=self.shape())
         except ParallelConfigError as exc:
             raise ModelConfigError(str(exc)) from None
-        heads = [f"{name}={getattr(self, name)}" for name in ("linear_num_key_heads", "linear_num_value_heads")
-                 if self.layer_types and LINEAR_ATTENTION in self.layer_types and getattr(self, name) % tp]
-        if heads:  # megatron's Gated DeltaNet splits its heads over TP
-            raise ModelConfigError(f"tensor parallel size {tp} does not divide Gated DeltaNet's {', '.join(heads)}: "
-                                   "choose a tensor parallel size that divides them")
 
     def shape(self) -> ModelShape:
         """What of this model a parallel layout must divide."""
@@ -255,7 +250,9 @@ class ModelConfig:
                           ffn_hidden_size=self.ffn_hidden_size if 0 in self.moe_layer_pattern() else None,
                           num_experts=self.num_experts, expert_ffn_hidden_size=self.expert_ffn_hidden_size if moe
                           else None, moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size if moe
-                          else None, expert_bias=self.add_bias_linear, seq_length=self.seq_length)
+                          else None, expert_bias=self.add_bias_linear, seq_length=self.seq_length,
+                          linear_attention_heads=(self.linear_num_key_heads, self.linear_num_value_heads)
+                          if LINEAR_ATTENTION in self.mixers() else None)
 
     def num_parameters(self) -> int:
         """Parameter count, each tied weight counted once (as Hugging Face and megatron count), every expert

@@ -1,5 +1,6 @@
 """Context parallelism in the pretrain flow on gloo ranks: the same global batch gives the CP1 loss curve at
-CP2 (ring attention and Ulysses) and at TP2 x CP2; a CP2 run resumes bit-exactly and loads at CP1.
+CP2 (ring attention and Ulysses) and at TP2 x CP2, and for a hybrid model (Qwen3.5's Gated DeltaNet layers
+through megatron's own context parallelism); a CP2 run resumes bit-exactly and loads at CP1.
 
 The runs are few (each costs 10-30 s on two cores): one CP1 reference curve that the others are compared
 with. ``--eod-mask-loss`` leaves the CP ranks different numbers of unmasked tokens, so the curves also check
@@ -94,3 +95,14 @@ def test_tp2_by_cp2_gives_the_cp1_curve(reference):
     sequence-parallel regions. Ring attention (one query group a TP rank cannot be spread by Ulysses)."""
     curve = _losses(run_ranks(4, run_pretrain, _argv("--sequence-parallel", tp=2, cp=2)))
     _assert_close(curve, reference, 1e-4)
+
+
+def test_cp2_gives_the_cp1_curve_for_a_hybrid_model():
+    """qwen3.5-tiny: its attention layers through the flow's ring attention, its Gated DeltaNet layers through
+    megatron's own context parallelism (an all-to-all from sequence to heads and back)."""
+    def argv(cp: int) -> list[str]:
+        return [("qwen3.5-tiny" if arg == "qwen2.5-tiny" else arg) for arg in _argv(cp=cp)]
+
+    reference = _losses(run_ranks(1, run_pretrain, argv(1)))
+    assert reference[ITERS] < reference[1], reference
+    _assert_close(_losses(run_ranks(2, run_pretrain, argv(2))), reference, 1e-5)

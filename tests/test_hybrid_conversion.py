@@ -144,12 +144,22 @@ def test_verify_command_reports_within_1e_4(converted, name, layout):
     assert float(line.split()[3]) < 1e-4 and line.endswith("OK")
 
 
-def test_a_tensor_parallel_size_that_splits_a_gated_delta_net_head_is_refused():
+def test_a_layout_that_splits_a_gated_delta_net_head_is_refused_by_the_converter_and_the_flow():
     model = models.get("qwen3.5-tiny", num_attention_heads=8, num_query_groups=4, kv_channels=16)
     model.check_layout(tp=2)
     with pytest.raises(models.ModelConfigError, match="tensor parallel size 4 does not divide Gated DeltaNet's "
                                                       "linear_num_key_heads=2: choose"):
         model.check_layout(tp=4)
+    with pytest.raises(models.ModelConfigError, match="tensor parallel size 2 x context parallel size 2 does not "
+                                                      "divide Gated DeltaNet's linear_num_key_heads=2: choose"):
+        model.check_layout(tp=2, cp=2)
+    from adapter.training.arguments import ArgumentError, parse_args, validate_args
+
+    argv = ["--model", "qwen3.5-tiny", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+            "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data"]
+    with pytest.raises(ArgumentError, match="tensor parallel size 2 x context parallel size 2 does not divide Gated "
+                                            "DeltaNet's linear_num_key_heads=2"):
+        validate_args(parse_args(argv), 4)
 
 
 def test_weights_that_disagree_with_layer_types_are_refused(converted, tmp_path):

@@ -361,10 +361,6 @@ def _check_plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, dp: in
     _check(recompute_method in ("uniform", "block"), f"recompute_method={recompute_method!r}: use uniform or block")
     _check_layout(tp * pp * cp * dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, model=model, seq_length=seq_length,
                   sequence_parallel=sequence_parallel)
-    try:  # what check_sizes does not know of the model: Gated DeltaNet's heads over TP
-        model.check_layout(tp=tp)
-    except ModelConfigError as exc:
-        raise PlanError(str(exc)) from None
     per_step = micro_batch_size * dp
     _check(global_batch_size % per_step == 0,
            f"global batch {global_batch_size} is not divisible by micro batch {micro_batch_size} x DP {dp} = "
