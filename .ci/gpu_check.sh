@@ -14,6 +14,8 @@
 #   moe_large         bench/moe.py flow on two Qwen3-30B-A3B layers
 #   cuda_kernels      tests/test_cuda_provider_kernels.py: each choice's kernels on the GPU against float64
 #   startup           bench/startup.py: launch to the first iteration of a tiny model
+#   hybrid            bench/gpu_train.py, qwen3.5-bench (2.2B, Gated DeltaNet): the flow against transformers,
+#                     flash-linear-attention on both sides (its wheels in .whl/, with transformers >= 5.23)
 #   cuda_tests_no_liger  the cuda tests with Liger-Kernel not installed (its wheel left off PYTHONPATH)
 #   cuda_tests_fused  the tiny GPT on the GPU against the torch provider under ADAPTER_CUDA_FUSED=eager, compile
 #   dense_large       bench/gpu_train.py for Qwen2.5-1.5B and Qwen3-1.7B (seq 4096, micro-batch 2)
@@ -25,8 +27,10 @@
 #   DEVICE=cpu bash .ci/gpu_check.sh    # a dry run on a CPU (tiny shapes, cuda tests skipped): no typo waits
 #                                       # for the GPU
 #
-# Wheels the machine lacks (megatron-core's cp312 wheel, liger-kernel's) in .whl/ are installed first, into
-# /tmp/site and, for Liger, /tmp/site-liger (so that a step can leave it off); see shared/reference/gpu.md.
+# Wheels the machine lacks (megatron-core's cp312 wheel, liger-kernel's; for the hybrid step
+# flash-linear-attention and fla-core, and transformers >= 5.23 with the huggingface-hub, tokenizers, safetensors
+# and regex it requires: docs/CI.md) in .whl/ are installed first, into /tmp/site and, for Liger,
+# /tmp/site-liger (so that a step can leave it off); see shared/reference/gpu.md.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -34,7 +38,7 @@ LOG_DIR="${LOG_DIR:-gpu-check}"
 PYTHON="${PYTHON:-python3}"
 DEADLINE="${DEADLINE:-540}"
 DEVICE="${DEVICE:-cuda}"
-CHECKS="${CHECKS:-report cuda_tests dense moe_large cuda_kernels startup cuda_tests_no_liger cuda_tests_fused dense_large moe_small suite}"
+CHECKS="${CHECKS:-report cuda_tests dense moe_large cuda_kernels startup hybrid cuda_tests_no_liger cuda_tests_fused dense_large moe_small suite}"
 mkdir -p "$LOG_DIR/profiles"
 : >"$LOG_DIR/summary.txt"
 export PYTHONUNBUFFERED=1
@@ -81,21 +85,28 @@ dense() {  # dense JSON MODEL-ARGS...: the flow (automatic kernels, i.e. liger w
         --profile "$LOG_DIR/profiles" --variants fused=eager fused=compile no-distopt
 }
 
+hybrid() {  # hybrid JSON MODEL-ARGS...: the flow against transformers on a hybrid model, no variants
+    local json=$1
+    shift
+    "$PYTHON" bench/gpu_train.py --device "$DEVICE" "$@" --steps 5 --warmup 2 --markdown --json "$json" \
+        --profile "$LOG_DIR/profiles"
+}
+
 moe() {  # moe JSON SHAPE-ARGS...: the MoE flow against transformers
     local json=$1
     shift
     "$PYTHON" bench/moe.py flow --device "$DEVICE" --rounds 1 --warmup 2 "$@" --json "$json" \
         --profile "$LOG_DIR/profiles"
 }
-export -f cuda_tests dense moe
+export -f cuda_tests dense hybrid moe
 export LOG_DIR PYTHON DEVICE
 
 if [[ $DEVICE == cuda ]]; then
-    DENSE_SMALL=(--models qwen2.5-0.5b) DENSE_LARGE=(--models qwen2.5-1.5b qwen3-1.7b)
+    DENSE_SMALL=(--models qwen2.5-0.5b) DENSE_LARGE=(--models qwen2.5-1.5b qwen3-1.7b) HYBRID=(--models qwen3.5-bench)
     MOE_LARGE=(--shape qwen3-30b-a3b --iters 3) MOE_SMALL=(--shape small --iters 4)
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } 2>&1 | tee "$LOG_DIR/device.txt"
 else  # the dry run: every command once, at sizes a CPU runs in seconds
-    DENSE_SMALL=(--tiny) DENSE_LARGE=(--tiny) MOE_LARGE=(--shape tiny --iters 2) MOE_SMALL=(--shape tiny --iters 2)
+    DENSE_SMALL=(--tiny) DENSE_LARGE=(--tiny) HYBRID=(--models qwen3.5-tiny) MOE_LARGE=(--shape tiny --iters 2) MOE_SMALL=(--shape tiny --iters 2)
 fi
 "$PYTHON" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "cuda", torch.version.cuda,
     torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU", "megatron-core", m.__version__)' \
@@ -107,6 +118,7 @@ for check in $CHECKS; do
         cuda_tests) step cuda_tests 180 cuda_tests liger -m cuda tests ;;
         cuda_kernels) step cuda_kernels 90 cuda_tests kernels tests/test_cuda_provider_kernels.py ;;
         dense) step dense 240 dense "$LOG_DIR/dense.json" "${DENSE_SMALL[@]}" ;;
+        hybrid) step hybrid 200 hybrid "$LOG_DIR/dense-hybrid.json" "${HYBRID[@]}" ;;
         moe_large) step moe_large 200 moe "$LOG_DIR/moe-qwen3-30b-a3b.json" "${MOE_LARGE[@]}" ;;
         startup) step startup 90 "$PYTHON" bench/startup.py --device "$DEVICE" --rounds 1 --markdown \
             --json "$LOG_DIR/startup.json" ;;

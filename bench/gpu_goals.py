@@ -3,7 +3,7 @@ failed (with the error's last line), or not run.
 
 It reads the run's folder: ``cuda_tests-<setting>.xml`` (pytest's junit report of the ``cuda`` tests, one per
 setting: ``liger``, ``no-liger``, ``fused-eager``, ``fused-compile``, and ``kernels``, the cuda provider's
-kernel tests), ``dense*.json`` (bench/gpu_train.py --json), ``moe-<shape>.json`` (bench/moe.py flow --json)
+kernel tests), ``dense*.json`` (bench/gpu_train.py --json; ``dense-hybrid.json`` the Qwen3.5 pair), ``moe-<shape>.json`` (bench/moe.py flow --json)
 and ``startup.json`` (bench/startup.py --json). A goal whose file or row is missing was not run (the check's
 deadline came first, or the step was not asked for); one measured at another shape (a dry run) neither.
 
@@ -19,6 +19,7 @@ from pathlib import Path
 
 DENSE_MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-1.7b")
 LARGE_DENSE = ("qwen2.5-1.5b", "qwen3-1.7b")
+HYBRID_MODEL = "qwen3.5-bench"
 # the run with Liger-Kernel installed is ADAPTER_CUDA_FUSED's automatic choice, liger; without it, compile
 TEST_SETTINGS = {"liger": "Liger-Kernel installed", "no-liger": "Liger-Kernel not installed",
                  **{f"fused-{c}": f"ADAPTER_CUDA_FUSED={c}" for c in ("eager", "compile")},
@@ -90,6 +91,20 @@ def dense_goals(dense: dict | None) -> list[dict]:
     return goals
 
 
+def hybrid_goal(dense: dict | None) -> dict:
+    """Issue 35's pair: qwen3.5-bench, flow / transformers >= 1.15, flash-linear-attention's kernels on both
+    sides (a run where either side fell back to torch's answers nothing)."""
+    rows = _rows(dense, HYBRID_MODEL)
+    base, flow = rows.get("transformers"), rows.get("flow")
+    name, target = f"hybrid {HYBRID_MODEL}: flow / transformers, flash-linear-attention on both", ">= 1.15"
+    if base is not None and "error" in base:
+        flow = {"error": "transformers: " + base["error"]}
+    elif flow is not None and "error" not in flow and {base.get("gated_delta"), flow.get("gated_delta")} != {"fla"}:
+        return _goal(name, target, "not run", f"gated delta rule: flow {flow.get('gated_delta')}, transformers "
+                                              f"{base.get('gated_delta')}")
+    return _flow_row_goal(name, target, flow, lambda row: (row["ratio"] >= 1.15, f"{row['ratio']:.3f}"))
+
+
 def _fused_choice_goal(model: str, rows: dict) -> dict:
     """Every ADAPTER_CUDA_FUSED choice measured, and the automatic one (the plain flow row) the fastest."""
     name, target = f"dense {model}: the automatic kernels are the fastest choice", "every choice measured"
@@ -142,7 +157,9 @@ def _dense_rows(folder: Path) -> dict | None:
 
 
 def goals(folder: Path) -> list[dict]:
-    return [*cuda_test_goals(folder), *dense_goals(_dense_rows(folder)), *moe_goals(folder), startup_goal(folder)]
+    dense = _dense_rows(folder)
+    return [*cuda_test_goals(folder), *dense_goals(dense), hybrid_goal(dense), *moe_goals(folder),
+            startup_goal(folder)]
 
 
 def markdown(rows: list[dict]) -> str:

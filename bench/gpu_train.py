@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SHAPES = {"qwen2.5-0.5b": (2048, 4), "qwen2.5-1.5b": (4096, 2), "qwen3-1.7b": (4096, 2), "qwen2.5-tiny": (64, 2),
-          "qwen3.5-tiny": (256, 2)}
+          "qwen3.5-tiny": (256, 2), "qwen3.5-bench": (4096, 1)}
 # variant -> (environment, flow arguments added, flow arguments left out)
 VARIANTS = {"fused-adam": ({"ADAPTER_FUSED_ADAM": "0"}, [], []),
             "ce-fusion": ({}, ["--no-cross-entropy-loss-fusion"], []),
@@ -165,7 +165,8 @@ def run_flow(name: str, device: str, steps: int, warmup: int, profile: str | Non
     from adapter import kernels
 
     return {"seconds": clock.seconds, "peak_memory": _peak_memory(device),
-            "fused": getattr(kernels.current(), "FUSED", None)}  # the cuda provider's RMSNorm/RoPE/SwiGLU choice
+            "fused": getattr(kernels.current(), "FUSED", None),  # the cuda provider's RMSNorm/RoPE/SwiGLU choice
+            "gated_delta": "torch" if kernels.current().chunk_gated_delta_rule else "fla"}
 
 
 def _hf_model(name: str, device: str):
@@ -204,7 +205,10 @@ def run_transformers(name: str, device: str, steps: int, warmup: int, profile: s
     clock = StepClock(device, warmup, profile)
     step = clock(train_step)
     clock.around(lambda: [step() for _ in range(warmup + steps)])
-    return {"seconds": clock.seconds, "peak_memory": _peak_memory(device)}
+    from transformers.utils.import_utils import is_flash_linear_attention_available
+
+    return {"seconds": clock.seconds, "peak_memory": _peak_memory(device),
+            "gated_delta": "fla" if is_flash_linear_attention_available() else "torch"}
 
 
 def matmul_peak(device: str, size: int, repeats: int = 10) -> float:
@@ -274,7 +278,8 @@ def _row(name: str, side: str, result: dict, base: dict, peak: float) -> dict:
     seq, _ = SHAPES[name]
     rate = _rate(name, result)
     flops = rate * model_flops_per_token(models.get(name), seq)
-    return {"model": name, "run": side, "fused": result.get("fused"), "tokens_per_second": rate,
+    return {"model": name, "run": side, "fused": result.get("fused"), "gated_delta": result.get("gated_delta"),
+            "tokens_per_second": rate,
             "ratio": None if "error" in base else rate / _rate(name, base),
             "tflops": flops / 1e12, "peak_fraction": flops / peak, "peak_gib": result["peak_memory"] / 2**30}
 

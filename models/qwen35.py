@@ -25,6 +25,10 @@ The published sizes, and where their numbers come from (no model hub is reachabl
   (hidden 2048, 48 layers, 16/2 heads, 512 experts of FFN 512, top 10, a shared expert of 512, Qwen3's
   151,936-token vocabulary): 79.7B, 3.9B active.
 
+``qwen3.5-bench`` is no published model: the GPU benchmark's size (bench/gpu_train.py, .ci/gpu_check.sh), the
+35B-A3B's attention and Gated DeltaNet with a dense FFN of 6144 over 16 layers, 2.2B parameters (half of them
+the embeddings), which the flow and transformers both train on one GPU.
+
 RoPE base 10,000,000 and 262,144 positions are the published checkpoints' (transformers' defaults, 10,000 and
 32,768, are placeholders); a converted checkpoint takes its own config.json's values in any case. ``tiny``,
 ``moe-tiny`` and Qwen3-Next's ``tiny`` are every feature at toy size for the tests (the sample corpus's
@@ -71,6 +75,8 @@ FLAVORS = {
     "9b": _published(32, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=16, num_query_groups=4,
                      moe_shared_expert_gate=False, moe_aux_loss_coeff=0.0),
     "35b-a3b": _published(40, hidden_size=2048, ffn_hidden_size=512, num_attention_heads=16, **_experts(256, 8, 512)),
+    "bench": _published(16, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16,
+                         moe_shared_expert_gate=False, moe_aux_loss_coeff=0.0),
     "397b-a17b": _published(60, hidden_size=4096, ffn_hidden_size=1024, num_attention_heads=32,
                             linear_num_value_heads=64, **_experts(512, 10, 1024)),
 }

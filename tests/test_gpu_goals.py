@@ -91,3 +91,15 @@ def test_figures_from_a_dry_run_on_the_cpu_answer_no_goal(tmp_path):
     assert goals["start-up: launch to the first iteration, tiny model"]["status"] == "not run"
     assert (goals["MoE small: flow / transformers"]["status"], goals["MoE small: flow / transformers"]["result"]) == (
         "not run", "ran tiny")
+
+
+def test_the_hybrid_pair_counts_only_with_flash_linear_attention_on_both_sides(tmp_path):
+    model, goal = "qwen3.5-bench", "hybrid qwen3.5-bench: flow / transformers, flash-linear-attention on both"
+    fla = [{**_flow(model, "flow", 30000, ratio=1.2), "gated_delta": "fla"},
+           {**_flow(model, "transformers", 25000), "gated_delta": "fla"}]
+    (tmp_path / "dense-hybrid.json").write_text(json.dumps({"rows": fla}))
+    assert (_by_goal(tmp_path)[goal]["status"], _by_goal(tmp_path)[goal]["result"]) == ("met", "1.200")
+    torch_side = [fla[0], {**fla[1], "gated_delta": "torch"}]
+    (tmp_path / "dense-hybrid.json").write_text(json.dumps({"rows": torch_side}))
+    assert (_by_goal(tmp_path)[goal]["status"], _by_goal(tmp_path)[goal]["result"]) == (
+        "not run", "gated delta rule: flow fla, transformers torch")
