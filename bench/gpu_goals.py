@@ -3,9 +3,10 @@ failed (with the error's last line), or not run.
 
 It reads the run's folder: ``cuda_tests-<setting>.xml`` (pytest's junit report of the ``cuda`` tests, one per
 setting: ``liger``, ``no-liger``, ``fused-eager``, ``fused-compile``, and ``kernels``, the cuda provider's
-kernel tests), ``dense*.json`` (bench/gpu_train.py --json; ``dense-hybrid.json`` the Qwen3.5 pair), ``moe-<shape>.json`` (bench/moe.py flow --json)
-and ``startup.json`` (bench/startup.py --json). A goal whose file or row is missing was not run (the check's
-deadline came first, or the step was not asked for); one measured at another shape (a dry run) neither.
+kernel tests), ``dense*.json`` (bench/gpu_train.py --json; ``dense-hybrid.json`` the Qwen3.5 pair),
+``moe-<shape>.json`` (bench/moe.py flow --json) and ``startup.json`` (bench/startup.py --json). A goal whose
+file or row is missing was not run (the check's deadline came first, or the step was not asked for); one
+measured at another shape (a dry run) neither.
 
 Usage: python bench/gpu_goals.py LOG_DIR        # prints the table and writes LOG_DIR/goals.md
 """
