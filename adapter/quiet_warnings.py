@@ -88,6 +88,15 @@ LOGGED = (
               r"MCore's async save is deprecated",
               "megatron-core's synchronous torch_dist save runs through its deprecated async path; the flow "
               "saves synchronously and asks for no async save"),
+    LoggedRow("megatron.core.rerun_state_machine", logging.WARNING, r"RerunStateMachine initialized in mode",
+              "said at every launch: the flow always sets megatron's rerun state machine up (--rerun-mode)"),
+    LoggedRow("megatron.core.rerun_state_machine", logging.WARNING, r"Result validation enabled",
+              "said at every launch once the loss is first checked (--check-for-nan-in-loss-and-grad is on by "
+              "default)"),
+    LoggedRow("megatron.core.rerun_state_machine", logging.WARNING,
+              r"(Saving a checkpoint and exiting now|Exiting now\. A checkpoint at the last iteration is being)",
+              "addressed to Megatron-LM's loop, which saves the machine's state to re-run the step on another GPU; "
+              "the flow saves nothing after a rejected step and says so in its one error line"),
 )
 
 

@@ -27,6 +27,7 @@ from megatron.core.enums import ModelType  # noqa: E402
 from adapter.training import gpt_step  # noqa: E402
 from adapter.training.arguments import ArgumentError  # noqa: E402
 from adapter.training.data import train_valid_test_datasets_provider  # noqa: E402
+from adapter.training.nonfinite import NonFiniteStep  # noqa: E402
 from adapter.training.pretrain import pretrain  # noqa: E402
 from adapter.training.shared_outcome import StepFailed  # noqa: E402
 
@@ -41,6 +42,10 @@ def main(argv=None) -> int:
     except StepFailed as exc:  # a save that failed: every rank stops with the one error
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except NonFiniteStep as exc:  # a NaN / Inf loss or gradient norm: one line, nothing saved after it
+        if exc.report:
+            print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     return 0
 
 

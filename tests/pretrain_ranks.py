@@ -188,3 +188,14 @@ def _sharded_tensors(chunks: list) -> list[ShardedTensor]:
 def _parameters(chunks: list) -> dict[tuple, torch.Tensor]:
     """(checkpoint key, offset) -> a copy of this rank's tensor there (whole layers at TP 1 x PP 1)."""
     return {(t.key, t.global_offset): t.data.detach().clone() for t in _sharded_tensors(chunks)}
+
+
+def run_pretrain_noting_reruns(argv: list[str]) -> dict:
+    """As run_pretrain, with what megatron's rerun state machine logged on this rank under "reruns"."""
+    import logging
+
+    noted: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: noted.append(record.getMessage())
+    logging.getLogger("megatron.core.rerun_state_machine").addHandler(handler)
+    return {**run_pretrain(argv), "reruns": noted}

@@ -61,6 +61,11 @@ REFUSED = [
       "--sequence-parallel"], 8, "sequence parallelism splits each CP rank's 18 tokens over TP 4"),
     ([*TINY, "--context-parallel-size", "2", "--attention-dropout", "0", "--reset-attention-mask"], 2,
      "--reset-attention-mask with --context-parallel-size 2: the CP attention is causal"),
+    ([*TINY, "--exit-signal-handler", "--exit-signal", "SIGFOO"], 2,
+     "--exit-signal SIGFOO: not a signal a process can catch; give its name, e.g. SIGTERM"),
+    ([*TINY, "--exit-signal", "SIGKILL"], 2, "--exit-signal SIGKILL: not a signal a process can catch"),
+    ([*TINY, "--exit-duration-in-mins", "0"], 2, "--exit-duration-in-mins 0.0: must be positive"),
+    ([*TINY, "--error-injection-rate", "-1"], 2, "--error-injection-rate -1: must be zero or more"),
 ]
 
 
@@ -97,6 +102,29 @@ def test_context_parallel_takes_its_ranks_from_data_parallel_and_one_comm_type()
     args = validate_args(parse_args([*TINY, "--context-parallel-size", "2", "--attention-dropout", "0",
                                      "--cp-comm-type", *["a2a"] * 4]), 2)
     assert args.cp_comm_type == "a2a"
+
+
+def test_the_resilience_arguments_keep_megatron_lms_names_and_defaults():
+    import signal
+
+    args = validate_args(parse_args(TINY), 2)
+    assert (args.exit_signal_handler, args.exit_signal, args.exit_duration_in_mins) == (False, signal.SIGTERM, None)
+    assert (args.check_for_nan_in_loss_and_grad, args.check_for_spiky_loss, args.rerun_mode) == (
+        True, False, "validate_results")
+    args = validate_args(parse_args([*TINY, "--exit-signal", "SIGUSR1", "--no-check-for-nan-in-loss-and-grad"]), 2)
+    assert (args.exit_signal, args.check_for_nan_in_loss_and_grad) == (signal.SIGUSR1, False)
+    # as Megatron-LM: fp16's dynamic loss scaling reads NaN gradients as its cue to skip a step
+    assert not validate_args(parse_args([*TINY, "--fp16"]), 2).check_for_nan_in_loss_and_grad
+    assert validate_args(parse_args([*TINY, "--fp16", "--loss-scale", "1024"]), 2).check_for_nan_in_loss_and_grad
+
+
+def test_report_stats_is_refused_where_megatrons_machine_cannot_report_them():
+    from adapter.training.arguments import _reports_stats
+
+    if _reports_stats():
+        assert validate_args(parse_args([*TINY, "--rerun-mode", "report_stats"]), 2).rerun_mode == "report_stats"
+    else:
+        assert_refused([*TINY, "--rerun-mode", "report_stats"], 2, "--rerun-mode report_stats: this megatron-core's")
 
 
 def test_num_micro_batches_is_global_over_micro_times_dp():

@@ -72,6 +72,7 @@ NOT_APPLYING = ("MimoModelConfig is experimental and still under active developm
                 "CUDA_DEVICE_MAX_CONNECTIONS to 1",
                 "MCore's async save is deprecated",
                 "DistributedDataParallel: full_param_layout not provided",
+                "RerunStateMachine initialized in mode", "Result validation enabled",
                 "No CUDA runtime is found, using CUDA_HOME=")
 SINCE_0_19 = Version(installed_megatron_core_version()) >= Version("0.19")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -273,6 +274,28 @@ def _checkpointing(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, help="stop after the iteration divisible by this")
 
 
+def _resilience(parser: argparse.ArgumentParser) -> None:
+    """Preemption (adapter/training/preemption.py) and non-finite steps (nonfinite.py), Megatron-LM's names
+    and defaults."""
+    g = parser.add_argument_group("preemption and result validation")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal every rank finishes its iteration, the flow saves, and the job exits 0")
+    g.add_argument("--exit-signal", default="SIGTERM",
+                   help="the signal --exit-signal-handler catches (default SIGTERM)")
+    g.add_argument("--exit-duration-in-mins", type=float,
+                   help="save and exit before this many minutes from the launch have passed")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+                   help="do not stop on a NaN or Inf loss or gradient norm (checked by default)")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="re-run a step whose loss is 10x the largest of the first 100 (non-fatal)")
+    g.add_argument("--rerun-mode", choices=["disabled", "validate_results", "report_stats"],
+                   default="validate_results", help="what megatron's rerun state machine does with a rejected result")
+    g.add_argument("--error-injection-rate", type=int, default=0,
+                   help="testing: inject a rejected result once in this many validations (0: never)")
+    g.add_argument("--error-injection-type", choices=["correct_result", "transient_error", "persistent_error"],
+                   default="transient_error")
+
+
 def _logging(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("evaluation and logging")
     g.add_argument("--eval-interval", type=int, default=1000)
@@ -296,7 +319,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = _Parser(description="Megatron-LM-style pretraining through the device adapter",
                                      allow_abbrev=False)
-    for add in (_model, _moe, _parallel, _training, _data, _checkpointing, _logging):
+    for add in (_model, _moe, _parallel, _training, _data, _checkpointing, _resilience, _logging):
         add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -346,6 +369,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _check_schedule(args)
     _check_data(args)
     _check_checkpoints(args)
+    _check_resilience(args)
     return args
 
 
@@ -356,11 +380,12 @@ POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "conte
             "norm_epsilon", "make_vocab_size_divisible_by", "ddp_bucket_size", "distributed_timeout_minutes",
             "log_interval", "eval_interval", "save_interval", "exit_interval", "loss_scale", "initial_loss_scale",
             "loss_scale_window", "recompute_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size",
-            "moe_ffn_hidden_size", "moe_router_topk", "kv_channels")
+            "moe_ffn_hidden_size", "moe_router_topk", "kv_channels", "exit_duration_in_mins")
 NOT_NEGATIVE = ("train_iters", "lr", "min_lr", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction",
                 "lr_warmup_init", "weight_decay", "clip_grad", "eval_iters", "num_workers", "hidden_dropout",
                 "attention_dropout", "init_method_std", "hysteresis", "min_loss_scale", "num_experts",
-                "moe_shared_expert_intermediate_size", "moe_z_loss_coeff", "moe_router_bias_update_rate")
+                "moe_shared_expert_intermediate_size", "moe_z_loss_coeff", "moe_router_bias_update_rate",
+                "error_injection_rate")
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
@@ -630,6 +655,31 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
             checkpoint_dir.checkpoint_to_load(args.load, recoverable=_same_dir(args.load, args.save))
         except checkpoint_dir.CheckpointError as exc:
             raise ArgumentError(f"--load {args.load}: {exc}") from exc
+
+
+def _check_resilience(args: argparse.Namespace) -> None:
+    """--exit-signal names a signal a process can catch (it becomes a ``signal.Signals``); fp16's dynamic loss
+    scaling turns the NaN check off, as in Megatron-LM: there a NaN gradient is the scaler's signal to skip."""
+    if not isinstance(args.exit_signal, signal.Signals):
+        name = str(args.exit_signal).upper()
+        catchable = signal.Signals.__members__.get(name) not in (None, signal.SIGKILL, signal.SIGSTOP)
+        _require(catchable, f"--exit-signal {args.exit_signal}: not a signal a process can catch; give its name, "
+                            "e.g. SIGTERM (the default, what schedulers and torchrun send), SIGINT, SIGUSR1, SIGUSR2")
+        args.exit_signal = signal.Signals[name]
+    if args.fp16 and args.loss_scale is None:
+        args.check_for_nan_in_loss_and_grad = False
+    _require(args.rerun_mode != "report_stats" or _reports_stats(),
+             "--rerun-mode report_stats: this megatron-core's rerun state machine fails as it reports them (it reads "
+             "caller.filename, which its Caller lacks; fixed by megatron-core 0.19); use validate_results or disabled")
+
+
+def _reports_stats() -> bool:
+    """Whether megatron's machine can report determinism stats: 0.16.1's reads fields its Caller lacks."""
+    import inspect
+
+    from megatron.core.rerun_state_machine import Caller, RerunStateMachine
+
+    return "filename" in Caller._fields or "caller.filename" not in inspect.getsource(RerunStateMachine)
 
 
 def _same_dir(a: str | None, b: str | None) -> bool:

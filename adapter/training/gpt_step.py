@@ -14,6 +14,7 @@ import functools
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
+from adapter.training import nonfinite
 from adapter.training.data import get_batch
 from adapter.training.global_vars import get_args
 from adapter.training.pretrain import transformer_config_overrides
@@ -28,10 +29,12 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Per-token losses -> (sum over unmasked tokens, their count, {"lm loss": [sum, count]}), the form
-    megatron's schedule averages over tokens across micro-batches and data-parallel ranks."""
+    megatron's schedule averages over tokens across micro-batches and data-parallel ranks. The sum is checked
+    as Megatron-LM checks it (NaN, Inf, spiky: ``nonfinite.check_loss``)."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     total = torch.sum(losses * mask)
+    nonfinite.check_loss(total)
     count = mask.sum().to(torch.int)
     return total, count, {"lm loss": torch.stack([total.detach().clone(), mask.sum().detach()])}
 

@@ -30,8 +30,9 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
 import adapter
-from adapter.training import checkpointing, global_vars
+from adapter.training import checkpointing, global_vars, nonfinite
 from adapter.training.arguments import ArgumentError, fit_vocab, parse_args, refuse, validate_args
+from adapter.training.preemption import Preemption
 from adapter.training.training_log import StartupClock, TrainingLog
 
 
@@ -129,7 +130,8 @@ def setup_model_and_optimizer(model_provider, model_type=ModelType.encoder_or_de
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.params_dtype != torch.float32,
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=args.ddp_bucket_size)
+        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=args.ddp_bucket_size,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
     chunks = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
               for i, chunk in enumerate(chunks)]
     optimizer = get_megatron_optimizer(OptimizerConfig(
@@ -202,16 +204,23 @@ def _reduced_losses(losses: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def train_step(forward_step_func, data_iterator, model: list, optimizer, scheduler):
-    """One iteration: returns (losses on the last stage, skipped?, grad norm)."""
+    """One iteration: returns (losses on the last stage, skipped?, grad norm). The forward and backward
+    run again where megatron's rerun state machine asks (``nonfinite``), which stops every rank before
+    the optimizer step where a rejected result says so."""
     args = global_vars.get_args()
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=over_context_parallel(forward_step_func), data_iterator=data_iterator,
-        model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
+
+    def forward_backward():
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        return get_forward_backward_func()(
+            forward_step_func=over_context_parallel(forward_step_func), data_iterator=data_iterator,
+            model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
+            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
+
+    losses = nonfinite.forward_backward(forward_backward, data_iterator)
     succeeded, grad_norm, _ = optimizer.step()
+    nonfinite.check_grad_norm(grad_norm)
     if succeeded:
         scheduler.step(increment=args.global_batch_size)
     return _reduced_losses(losses), not succeeded, grad_norm
@@ -243,7 +252,7 @@ def evaluate(forward_step_func, data_iterator, model: list, eval_iters: int) -> 
     for chunk in model:
         chunk.eval()
     totals: dict[str, float] = {}
-    with torch.no_grad():
+    with torch.no_grad(), nonfinite.validation_off():
         for _ in range(eval_iters):
             losses = get_forward_backward_func()(
                 forward_step_func=over_context_parallel(forward_step_func), data_iterator=data_iterator,
@@ -290,6 +299,14 @@ def build_train_valid_test_data_iterators(dataset_provider, consumed: dict) -> t
     return tuple(iterators(d, start) for d, start in zip(datasets, starts)), [bool(p) for p in present.tolist()]
 
 
+def _say_stopped(iteration: int, reason: str, save: str | None) -> None:
+    """Rank 0's line for a run that left early (``Preemption``); the test evaluation is skipped, as in
+    Megatron-LM: the time left is the scheduler's."""
+    if torch.distributed.get_rank() == 0:
+        where = f"saved in {save}, resume with --load" if save else "not saved: no --save"
+        print(f"[adapter] stopped after iteration {iteration}: {reason}; {where}", flush=True)
+
+
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
              process_non_loss_data_func=None, extra_args_provider=None, args_defaults: dict | None = None,
              argv=None) -> dict:
@@ -307,11 +324,14 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         clock.mark("checkpoint load")
     (train_iter, valid_iter, test_iter), (_, do_valid, do_test) = build_train_valid_test_data_iterators(
         train_valid_test_dataset_provider, consumed)
+    nonfinite.initialize(args, iteration)
+    train_iter = nonfinite.replayable(train_iter)
     clock.mark("data")
     log = TrainingLog(args, model)
     history = {"train": [], "validation": [], "iteration": iteration}
     for chunk in model:
         chunk.train()
+    preemption, stopped = Preemption(args), None
     while iteration < args.train_iters:
         losses, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler)
         if clock is not None:
@@ -334,16 +354,20 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             with log.excluded(), parameters_synced(model):
                 checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
-        if args.exit_interval and iteration % args.exit_interval == 0:
+        stopped = preemption.stop_reason()
+        if stopped or (args.exit_interval and iteration % args.exit_interval == 0):
             break
     with parameters_synced(model):
         if args.save and (not args.save_interval or iteration % args.save_interval):
             checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
-        if do_test and args.eval_iters:
+        if stopped:
+            _say_stopped(iteration, stopped, args.save)
+        elif do_test and args.eval_iters:
             test = evaluate(forward_step_func, test_iter, model, args.eval_iters)
             log.validation(iteration, test, label="test")
             history["test"] = test
+    preemption.close()  # after the last save: a signal during it is only noted
     log.close()
-    history["iteration"] = iteration
+    history.update(iteration=iteration, stopped=stopped)
     torch.distributed.barrier()
     return history

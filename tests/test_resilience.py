@@ -1,0 +1,145 @@
+"""Preemption and non-finite steps (adapter/training/preemption.py, adapter/training/nonfinite.py) on gloo ranks.
+
+Preemption: SIGTERM to torchrun only, or to every process of the job as a scheduler sends it; every rank
+finishes its iteration, the flow saves it, the job exits 0, and the next launch continues an uninterrupted
+run's loss curve exactly. --exit-duration-in-mins leaves with a checkpoint. Non-finite steps: a NaN loss
+stops the run with one line naming the iteration, the rank and the value, after megatron's rerun state
+machine re-ran the step, and nothing is saved after it (the files on disk)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from adapter.training.arguments import _reports_stats
+from models import checkpoint_dir
+from tests.distributed import ROOT, _base_env, free_port, launch_script, run_ranks
+from tests.pretrain_ranks import logged_losses, run_pretrain, run_pretrain_noting_reruns
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+
+def _argv(*extra: str, lr: str = "3e-3", iters: int = 1000) -> list[str]:
+    """Two data-parallel ranks of the tiny model; 1000 iterations set the LR schedule and sample order, and each
+    run stops far earlier (--exit-interval, a signal, a NaN)."""
+    return ["--model", "qwen2.5-tiny", "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "64",
+            "--train-iters", str(iters), "--lr", lr, "--min-lr", "3e-4", "--lr-decay-style", "cosine",
+            "--lr-warmup-iters", "2", "--mock-data", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout",
+            "0", "--attention-dropout", "0", "--seed", "7", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[int, float]:
+    """The uninterrupted curve, iterations 1-16."""
+    return logged_losses(run_ranks(2, run_pretrain, _argv("--exit-interval", "16")))
+
+
+def _saved(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _torchrun_preempted(save, to_group: bool) -> tuple[int, str, int]:
+    """torchrun with 2 workers, SIGTERM once iteration 3 is logged: to torchrun only, or to its whole process
+    group. Returns torchrun's exit status, everything printed and torchrun's pid."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "scripts/pretrain_gpt.py", *_argv("--exit-signal-handler", "--save", str(save))]
+    launcher = subprocess.Popen(command, cwd=ROOT, env=_base_env(None), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    printed = []
+    for line in launcher.stdout:
+        printed.append(line)
+        if " iteration        3/" in line:
+            (os.killpg if to_group else os.kill)(launcher.pid, signal.SIGTERM)
+            break
+    printed.append(launcher.communicate(timeout=300)[0])
+    return launcher.returncode, "".join(printed), launcher.pid
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["to torchrun only", "to every process"])
+def test_sigterm_saves_the_iteration_every_rank_finished_and_the_next_launch_resumes_exactly(
+        reference, tmp_path, to_group):
+    status, output, pid = _torchrun_preempted(tmp_path / "saved", to_group)
+    stopped = [line for line in output.splitlines() if "[adapter] stopped after iteration" in line]
+    assert len(stopped) == 1, output[-4000:]
+    iteration = int(stopped[0].split("stopped after iteration ")[1].split(":")[0])
+    assert stopped[0].endswith(f"{iteration}: SIGTERM received; saved in {tmp_path / 'saved'}, resume with --load")
+    assert 3 <= iteration <= 12, output[-4000:]
+    assert _saved(tmp_path / "saved") == [checkpoint_dir.checkpoint_name(iteration), checkpoint_dir.TRACKER]
+    # the workers ended within torchrun's --shutdown-timeout (30 s), no SIGKILL; torchrun itself (torch 2.13)
+    # then raises the signal it received as a SignalException, its one traceback, and exits 1
+    assert "forcefully exiting via" not in output, output[-4000:]
+    assert status == 1 and output.count("Traceback") == 1, output[-4000:]
+    assert output.rstrip().endswith("SignalException: Process " + str(pid) + " got signal: 15"), output[-4000:]
+    resumed = logged_losses(run_ranks(2, run_pretrain, _argv("--load", str(tmp_path / "saved"), "--exit-interval",
+                                                             str(iteration + 3))))
+    assert resumed == {i: reference[i] for i in range(iteration + 1, iteration + 4)}
+
+
+def test_the_time_budget_saves_and_leaves_before_it_runs_out(tmp_path):
+    results = run_ranks(2, run_pretrain, _argv("--exit-duration-in-mins", "0.1", "--save", str(tmp_path)))
+    iteration = results[0]["iteration"]
+    assert 1 <= iteration < 1000 and [r["iteration"] for r in results] == [iteration, iteration]
+    assert results[0]["stopped"].startswith("another iteration would end 0.")
+    assert results[0]["stopped"].endswith("minutes after the launch, past --exit-duration-in-mins 0.1")
+    assert _saved(tmp_path) == [checkpoint_dir.checkpoint_name(iteration), checkpoint_dir.TRACKER]
+
+
+NAN_LINES = {
+    "validate_results": "error: iteration 3, rank 0: the loss is nan (found NaN in local forward loss calculation); "
+                        "the re-run gave it again: the training diverged (lower --lr, check the data) or this device "
+                        "is faulty. Nothing was saved after iteration 2",
+    "disabled": "error: iteration 3, rank 0: the loss is nan (found NaN in local forward loss calculation); "
+                "--rerun-mode disabled: not re-run. Nothing was saved after iteration 2",
+    # report_stats re-runs every step and rejects nothing: the optimizer's gradient norm stops it
+    "report_stats": "error: iteration 3, every rank: the gradient norm is nan. Nothing was saved after iteration 2",
+}
+
+
+@pytest.mark.parametrize("mode, world", [("validate_results", 2), ("disabled", 1), pytest.param(
+    "report_stats", 1, marks=pytest.mark.skipif(not _reports_stats(), reason="megatron-core 0.16.1's stats fail"))])
+def test_a_nan_loss_stops_the_run_with_one_line_and_saves_nothing_after_it(tmp_path, mode, world):
+    """--lr 1e12 (after 2 warm-up iterations): iterations 1 and 2 are finite and saved, their steps make the loss
+    NaN at iteration 3."""
+    argv = _argv("--rerun-mode", mode, "--save", tmp_path, "--save-interval", "1", lr="1e12", iters=6)
+    ranks = launch_script("scripts/pretrain_gpt.py", argv, world_size=world)
+    output = "".join(output for _, output in ranks)
+    assert [status for status, _ in ranks] == [17] * world, output[-4000:]
+    assert [line for line in output.splitlines() if "error:" in line] == [NAN_LINES[mode]], output[-4000:]
+    assert "Traceback" not in output
+    assert ("Need to rerun step to check reproducibility" in output) == (mode == "validate_results")
+    assert _saved(tmp_path) == [checkpoint_dir.checkpoint_name(1), checkpoint_dir.checkpoint_name(2),
+                                checkpoint_dir.TRACKER]
+    assert (tmp_path / checkpoint_dir.TRACKER).read_text() == "2"
+
+
+def test_a_transient_nan_is_rerun_then_stops_and_the_next_launch_resumes_exactly(reference, tmp_path):
+    """megatron's error injector rejects iteration 2's first loss check on each rank; the re-run does not
+    reproduce it, and megatron's machine stops the run on a fatal check even so (Megatron-LM: resume from
+    the last checkpoint). The next launch resumes the clean curve from iteration 1's checkpoint."""
+    argv = _argv("--error-injection-rate", "1", "--save", tmp_path, "--save-interval", "1")
+    ranks = launch_script("scripts/pretrain_gpt.py", argv)
+    output = "".join(output for _, output in ranks)
+    assert [status for status, _ in ranks] == [17, 17], output[-4000:]
+    [error] = [line for line in output.splitlines() if "error:" in line]
+    assert error.startswith("error: iteration 2, rank 0: the loss is ")
+    assert error.endswith("(found NaN in local forward loss calculation); the re-run gave another result: a "
+                          "transient fault; start the job again. Nothing was saved after iteration 1")
+    assert "Possible transient error!" in output and "Traceback" not in output
+    assert _saved(tmp_path) == [checkpoint_dir.checkpoint_name(1), checkpoint_dir.TRACKER]
+    resumed = logged_losses(run_ranks(2, run_pretrain, _argv("--load", str(tmp_path), "--exit-interval", "5")))
+    assert resumed == {i: reference[i] for i in range(2, 6)}
+
+
+def test_a_transient_spiky_loss_is_rerun_and_training_continues_on_the_clean_curve(reference):
+    """The spiky-loss check is not fatal: each injected rejection (every iteration from the second) is re-run,
+    found not reproducible, and training continues with the re-run step: the clean curve, bit for bit."""
+    results = run_ranks(2, run_pretrain_noting_reruns, _argv(
+        "--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss", "--error-injection-rate", "1",
+        "--exit-interval", "5"))
+    assert logged_losses(results) == {i: reference[i] for i in range(1, 6)}
+    continued = [m for m in results[0]["reruns"] if m.startswith("Continuing normal execution")]
+    assert len(continued) == 4, results[0]["reruns"]
