@@ -182,7 +182,11 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, args: argparse
     else:
         raise ValueError(f"--dataloader-type {kind!r} is not supported; use single or cyclic")
     workers = getattr(args, "num_workers", 2)
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+    # the loader draws its workers' base seed from a generator of its own: from the default one it would take a
+    # draw that a resumed run (its RNG states restored before the loaders are built) takes again, shifting what
+    # dropout draws on a CPU, where dropout and the loader share that generator
+    seeds = torch.Generator().manual_seed(args.seed)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, generator=seeds,
                                        pin_memory=device.has_accelerator(), persistent_workers=workers > 0)
 
 
