@@ -7,7 +7,7 @@ generation of that number (torchrun's TORCHELASTIC_RESTART_COUNT), the rank of t
 - ``step:N``: is SIGKILLed as iteration N ends (before its save, if N is one);
 - ``save:N``: is SIGKILLed once its part of iteration N's checkpoint is written, before the save is published;
 - ``stall:N``: stops answering as iteration N ends (SIGSTOP: alive, silent, its connections open);
-- ``slow:N``: sleeps N seconds in every iteration from the second on (a straggler).
+- ``slow:S``: sleeps S seconds in every iteration from the second on (a straggler).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from adapter.training import checkpointing, training_log  # noqa: E402
 from models.checkpoint_dir import checkpoint_name  # noqa: E402
 
 
-def _faults() -> list[tuple[str, int | None]]:
+def _faults() -> list[tuple[str, float | None]]:
     """This process's faults: (what, iteration)."""
     mine = []
     for fault in filter(None, os.environ.get("ADAPTER_TEST_FAULTS", "").split(",")):
         generation, rank, what, *iteration = fault.split(":")
         if (generation, rank) == (os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]):
-            mine.append((what, int(iteration[0]) if iteration else None))
+            mine.append((what, float(iteration[0]) if iteration else None))
     return mine
 
 
@@ -57,7 +57,7 @@ def _signal_at(iteration: int, sig: int):
     return lambda log, at, *a, **k: at == iteration and os.kill(os.getpid(), sig)
 
 
-def _install(what: str, n: int | None) -> None:
+def _install(what: str, n: float | None) -> None:
     if what == "startup":
         _wrap(parallel_state, "initialize_model_parallel", before=lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
     elif what == "step":
@@ -67,7 +67,7 @@ def _install(what: str, n: int | None) -> None:
     elif what == "slow":
         _wrap(training_log.TrainingLog, "step", before=lambda log, at, *a, **k: at > 1 and time.sleep(n))
     elif what == "save":
-        name = checkpoint_name(n)
+        name = checkpoint_name(int(n))
         _wrap(checkpointing.dist_checkpointing, "save",
               after=lambda state, directory, *a, **k: name in str(directory) and os.kill(os.getpid(), signal.SIGKILL))
     else:

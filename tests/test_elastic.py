@@ -62,3 +62,30 @@ def test_a_rank_lost_at_start_up_mid_save_and_mid_step_resumes_with_the_uninterr
     assert [i for i, _ in logged] == [1, 2, 3, 4, 3, 4, 5, 6, 7, 7, 8], output
     assert all(loss == reference[i] for i, loss in logged), (logged, reference)
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "8"
+
+
+def test_a_stalled_rank_ends_the_job_within_the_timeout_with_one_line_and_the_restart_resumes(reference, tmp_path):
+    """Rank 1 stops answering (SIGSTOP) as iteration 5 ends; rank 0, in the next collective, ends within the
+    timeout (6 s) with one line naming it, its group and rank 1; torchrun (which waits 30 s for the stopped
+    process to take its SIGTERM, then SIGKILLs it) restarts the group, which resumes from iteration 4."""
+    status, output, seconds = _torchrun(_argv(tmp_path, 8, "--distributed-timeout-minutes", "0.1"), "0:1:stall:5",
+                                        restarts=1)
+    assert status == 0, output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert errors == ["error: rank 0: all_gather on the world (ranks [0, 1]) timed out after 6 s "
+                      "(--distributed-timeout-minutes 0.1): rank 1 did not arrive; ending this process"], output
+    logged = _losses(output)
+    assert [i for i, _ in logged] == [1, 2, 3, 4, 5, 5, 6, 7, 8], output
+    assert all(loss == reference[i] for i, loss in logged)
+    assert seconds < 150  # two start-ups, 6 s of timeout, torchrun's 30 s; without the watcher it never ends
+
+
+def test_a_slow_rank_is_named_as_a_straggler(tmp_path):
+    """Rank 1 sleeps 0.3 s in every iteration from the second: after three log intervals above 1.5x the
+    others', rank 0 names it, once."""
+    status, output, _ = _torchrun(_argv(tmp_path, 6), "0:1:slow:0.3")
+    assert status == 0, output
+    lines = [line for line in output.splitlines() if line.startswith("straggler:")]
+    assert len(lines) == 1, output
+    assert re.fullmatch(r"straggler: rank 1 spent (\d+) ms per iteration outside collectives, [\d.]+x the other "
+                        r"ranks' median \d+ ms, for the last 3 log intervals \(to iteration 4\)", lines[0]), lines
