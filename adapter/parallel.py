@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from adapter import backend, device
+from adapter import backend, device, elastic
 
 TIMEOUT_ENV = "ADAPTER_DIST_TIMEOUT_MINUTES"
 DEFAULT_TIMEOUT_MINUTES = 30.0
@@ -209,7 +209,9 @@ def init_distributed(timeout: float | None = None):
     On cuda the group is bound to its device (``device_id``): NCCL then connects here, once, and
     megatron's model-parallel groups are split from that communicator, where without it each group's
     communicator is made lazily inside its first collective (start-up measured in tens of seconds on a
-    GPU). HCCL is left unbound: torch_npu's group has no eager connect to take it."""
+    GPU). HCCL is left unbound: torch_npu's group has no eager connect to take it. Under torchrun the groups
+    meet under a store prefix of this generation's own, so a restart never reads a dead one's addresses
+    (``adapter.elastic``)."""
     b = backend.current()
     if torch.distributed.is_initialized():
         return b
@@ -219,7 +221,10 @@ def init_distributed(timeout: float | None = None):
     options = dict(backend=b.dist_backend, timeout=datetime.timedelta(minutes=minutes))
     if b.name == "cuda":
         options["device_id"] = device.torch_device()
-    if "WORLD_SIZE" in os.environ:
+    if elastic.shares_agent_store():  # torchrun's store outlives a restart: this generation's own prefix
+        store, rank, world_size = elastic.generation_store(options["timeout"])
+        torch.distributed.init_process_group(store=store, rank=rank, world_size=world_size, **options)
+    elif "WORLD_SIZE" in os.environ:
         torch.distributed.init_process_group(**options)
     else:
         torch.distributed.init_process_group(store=torch.distributed.HashStore(), rank=0,

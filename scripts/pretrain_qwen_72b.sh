@@ -30,7 +30,8 @@
 #   CKPT_SAVE_DIR      where to save every SAVE_INTERVAL (2000) iterations (none: no checkpoints)
 #   TENSORBOARD_DIR    tensorboard logs (none)
 #   NNODES (4 at 4096, 16 at 32768, the recipes'), NODE_RANK (0), NPROC_PER_NODE (8), MASTER_ADDR (localhost),
-#   MASTER_PORT (6000), TRAIN_ITERS (2000), DIST_TIMEOUT_MINUTES (30), PYTHON (python3, for the plan)
+#   MASTER_PORT (6000), TRAIN_ITERS (2000), DIST_TIMEOUT_MINUTES (30), MAX_RESTARTS (3), RDZV_ID
+#   (pretrain-MASTER_ADDR-MASTER_PORT), PYTHON (python3, for the plan)
 #   EXTRA_ARGS         more pretrain_gpt.py arguments, appended, so they win over the ones here
 #                      (e.g. "--recompute-granularity full --recompute-method uniform"); the plan sees them too
 #

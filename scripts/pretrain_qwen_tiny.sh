@@ -15,7 +15,8 @@
 #
 # Environment (default): MODEL (qwen2.5-tiny), OUTPUT_DIR (./qwen-tiny-run, ./MODEL-run for another model:
 # data, checkpoints, tensorboard), TRAIN_ITERS (300), EVAL_INTERVAL (50), EXIT_INTERVAL (none), PYTHON
-# (python3), EXTRA_ARGS (appended to the arguments).
+# (python3), MAX_RESTARTS (0: how often torchrun brings the 4 processes back after one is lost or hangs; each
+# restart resumes from the newest checkpoint), EXTRA_ARGS (appended to the arguments).
 # A run finds its checkpoint in OUTPUT_DIR/checkpoints and continues from it; delete the folder to restart.
 # scripts/plot_loss.py OUTPUT_DIR/tensorboard draws the curves.
 set -euo pipefail
@@ -63,5 +64,5 @@ if [[ -n "${EXIT_INTERVAL:-}" ]]; then
     ARGS+=(--exit-interval "$EXIT_INTERVAL")
 fi
 
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 4 \
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 4 --max-restarts "${MAX_RESTARTS:-0}" \
     "$ROOT/scripts/pretrain_gpt.py" "${ARGS[@]}" ${EXTRA[@]+"${EXTRA[@]}"}

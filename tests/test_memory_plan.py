@@ -218,6 +218,7 @@ def _script_env(tmp_path: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in {"DATA_PATH", "TOKENIZER_MODEL", "CKPT_LOAD_DIR", "CKPT_SAVE_DIR", "TENSORBOARD_DIR",
                         "NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "DRY_RUN",
+                        "MAX_RESTARTS", "RDZV_ID",
                         "EXTRA_ARGS", "TRAIN_ITERS", "ADAPTER_BACKEND"}}
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -240,6 +241,8 @@ def test_dry_run_prints_command_and_plan(tmp_path):
     assert "--tensor-model-parallel-size 8" in out and "--pipeline-model-parallel-size 4" in out
     assert "--num-layers-per-virtual-pipeline-stage 4" in out and "--model qwen2.5-72b" in out
     assert "torchrun \\\n    --nnodes 4 \\\n" in out and "HCCL_CONNECT_TIMEOUT=1800" in out
+    assert "    --rdzv-backend c10d \\\n    --rdzv-endpoint localhost:6000 \\\n" in out
+    assert "    --max-restarts 3 \\\n" in out
     expected = plan(QWEN72B, **LAUNCHER_4K)
     for row in ("weights", "grads", "optimizer", "activations"):
         line = next(line for line in out.splitlines() if line.startswith(f"{row} (GiB)"))
@@ -305,8 +308,9 @@ def test_launch_passes_the_environment_to_torchrun(tmp_path):
     assert done.returncode == 0, done.stderr
     argv = (tmp_path / "torchrun-args").read_text().split("\n")[:-1]
     command = " ".join(argv)
-    assert command.startswith("--nnodes 4 --node_rank 2 --nproc_per_node 8 --master_addr 10.0.0.1 "
-                              f"--master_port 6000 {ROOT / 'scripts' / 'pretrain_gpt.py'} --model qwen2.5-72b ")
+    assert command.startswith("--nnodes 4 --node_rank 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint "
+                              "10.0.0.1:6000 --rdzv-id pretrain-10.0.0.1-6000 --max-restarts 3 "
+                              f"{ROOT / 'scripts' / 'pretrain_gpt.py'} --model qwen2.5-72b ")
     assert "--data-path 0.3 /data/a 0.7 /data/b --split" in command
     assert "--tokenizer-model /models/qwen" in command and "--save /ckpt/out --save-interval 2000" in command
     assert "--load" not in argv and command.endswith("--train-iters 5")

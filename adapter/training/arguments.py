@@ -195,7 +195,7 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo", "hccl"],
                    help="checked against the adapter's backend (which picks NCCL, HCCL or gloo by itself)")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10)  # fractions too: 0.5 is 30 s
 
 
 def _training(parser: argparse.ArgumentParser) -> None:

@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
 import adapter
-from adapter.training import checkpointing, global_vars, nonfinite
+from adapter.training import checkpointing, global_vars, liveness, nonfinite
 from adapter.training.arguments import ArgumentError, fit_vocab, parse_args, refuse, validate_args
 from adapter.training.preemption import Preemption
 from adapter.training.training_log import StartupClock, TrainingLog
@@ -55,6 +55,7 @@ def initialize(extra_args_provider=None, args_defaults: dict | None = None, argv
     global_vars.set_tokenizer(tokenizer)
 
     adapter.init_distributed(timeout=args.distributed_timeout_minutes)
+    liveness.watch(args.distributed_timeout_minutes)  # a hung collective ends the job, saying where
     if torch.distributed.get_rank() == 0:  # what runs in place of megatron's silenced fallback warnings
         from adapter.report import kernel_summary
 
@@ -328,6 +329,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     train_iter = nonfinite.replayable(train_iter)
     clock.mark("data")
     log = TrainingLog(args, model)
+    straggler = liveness.StragglerCheck(args.log_interval)
     history = {"train": [], "validation": [], "iteration": iteration}
     for chunk in model:
         chunk.train()
@@ -345,6 +347,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
                           optimizer.get_loss_scale(), grad_norm)
         if logged:
             history["train"].append(logged)
+        straggler.step(iteration)
         if do_valid and args.eval_iters and iteration % args.eval_interval == 0:
             with log.excluded(), parameters_synced(model):
                 valid = evaluate(forward_step_func, valid_iter, model, args.eval_iters)

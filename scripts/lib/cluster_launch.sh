@@ -18,7 +18,9 @@
 # Functions:
 #   cluster_defaults      PYTHON (python3), NNODES (1), NODE_RANK (0), NPROC_PER_NODE (8), MASTER_ADDR
 #                         (localhost), MASTER_PORT (6000), TRAIN_ITERS (2000), SAVE_INTERVAL (2000),
-#                         DIST_TIMEOUT_MINUTES (30), each only where unset or empty; then the collective
+#                         DIST_TIMEOUT_MINUTES (30), MAX_RESTARTS (3: torchrun restarts every worker after a
+#                         lost or hung rank, resuming from the newest checkpoint), RDZV_ID (pretrain-ADDR-PORT,
+#                         the same on every node), each only where unset or empty; then the collective
 #                         libraries' variables (below), exported.
 #   require_data_env      without DRY_RUN=1, exits 2 with a message on stderr naming whichever of DATA_PATH
 #                         and TOKENIZER_MODEL is missing; then splits DATA_PATH at blanks into the array DATA
@@ -30,7 +32,8 @@
 #                         appends --load CKPT_LOAD_DIR, --save CKPT_SAVE_DIR --save-interval SAVE_INTERVAL
 #                         and --tensorboard-dir TENSORBOARD_DIR (each where set), then EXTRA_ARGS split at
 #                         blanks (so they win), to ARGS; with DRY_RUN=1 prints the collective environment, the
-#                         torchrun command (one option per line, pastes back into a shell) and the plan, and
+#                         torchrun command (one option per line, pastes back into a shell; a c10d rendezvous at
+#                         MASTER_ADDR:MASTER_PORT and --max-restarts MAX_RESTARTS) and the plan, and
 #                         exits 0; otherwise prints the plan and execs torchrun on scripts/pretrain_gpt.py.
 #
 # ROOT (the repository) must be set before sourcing; nothing here depends on the working directory.
@@ -49,6 +52,7 @@ cluster_defaults() {
     : "${NNODES:=1}" "${NODE_RANK:=0}" "${NPROC_PER_NODE:=8}"
     : "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=6000}"
     : "${TRAIN_ITERS:=2000}" "${SAVE_INTERVAL:=2000}" "${DIST_TIMEOUT_MINUTES:=30}"
+    : "${MAX_RESTARTS:=3}" "${RDZV_ID:=pretrain-$MASTER_ADDR-$MASTER_PORT}"
 
     # Collective-library defaults, each only where the caller has not set it; a library reads only its own,
     # so one script serves both kinds of node.
@@ -101,8 +105,11 @@ launch_or_dry_run() {
     args+=("${extra[@]}")
 
     local script="$ROOT/scripts/pretrain_gpt.py"
+    # torchrun's c10d rendezvous, hosted at MASTER_ADDR:MASTER_PORT, outlives a restart (a static one is torn
+    # down with the failed workers); --max-restarts brings every node's workers back after a lost rank
     local launch=(torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE"
-                  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$script" "${args[@]}")
+                  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
+                  --max-restarts "$MAX_RESTARTS" "$script" "${args[@]}")
 
     if [[ "${DRY_RUN:-0}" == 1 ]]; then
         echo "environment:"

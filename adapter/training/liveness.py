@@ -1,0 +1,222 @@
+"""A rank that stops answering ends the job; a rank that keeps everyone waiting is named.
+
+Hangs. A collective whose peer is stalled (alive, silent, connections open) does not reliably end the job on
+its own: on gloo the survivor's ``wait()`` on an asynchronous all-reduce outlives the group's timeout (the
+collective thread's receive never returns), and where the timeout does raise, the interpreter's exit then
+hangs in the process groups' destructors; NCCL and HCCL end it only through their own watchdogs, with
+lines that name no megatron group. So every rank tracks the collectives it is in (torch.distributed's
+collective functions, wrapped once), and a watcher thread ends the process, whatever its main thread is
+blocked in, once one has lasted ``--distributed-timeout-minutes``, or at once when one fails. Before that,
+a rank whose collective has lasted a quarter of the timeout records in the store that it arrived, so the
+one line each survivor prints names the collective, its group, its ranks and those that never arrived.
+Under torchrun ``--max-restarts`` the group then restarts from the newest checkpoint.
+
+Stragglers. Every log interval the ranks gather each one's mean time per iteration spent outside the
+collectives it waited in (the time the others wait for it); rank 0 names a rank whose time was more than
+``STRAGGLER_RATIO`` times the median of the others' (and ``STRAGGLER_MIN_EXCESS_S`` more) for
+``STRAGGLER_INTERVALS`` log intervals in a row.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import os
+import statistics
+import sys
+import threading
+import time
+import types
+
+import torch
+
+from adapter.training.shared_outcome import _end_children
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "gather_object",
+               "scatter_object_list", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "barrier", "all_to_all",
+               "all_to_all_single", "gather", "scatter", "_all_gather_base", "_reduce_scatter_base")
+STRAGGLER_RATIO, STRAGGLER_INTERVALS, STRAGGLER_MIN_EXCESS_S = 1.5, 3, 0.1
+_POLL = 0.25  # seconds between the watcher's looks
+_lock = threading.Lock()
+_ending = threading.Lock()
+_inflight: dict[int, dict] = {}  # token -> the collective: name, group, seq, start, work (asynchronous ones)
+_ids = itertools.count()
+_seqs: dict[str, itertools.count] = {}  # group name -> this rank's count of collectives on it
+_group_names: dict = {}  # process group -> its name (groups live as long as the run)
+_waited = [0.0]  # seconds this rank spent inside synchronous collectives
+_timeout_minutes = [0.0]
+
+
+def watch(timeout_minutes: float) -> None:
+    """Track the collectives from now on and start the watcher (once per process)."""
+    if getattr(torch.distributed.all_reduce, "_adapter_watched", False):
+        return
+    for name in COLLECTIVES:
+        if hasattr(torch.distributed, name):
+            setattr(torch.distributed, name, _tracked(getattr(torch.distributed, name), name))
+    threading.Thread(target=_watch, args=(timeout_minutes,), daemon=True, name="adapter-liveness").start()
+
+
+def _tracked(fn, name: str):
+    """``fn`` noted in the in-flight table while it runs (and, when asynchronous, until its work is done).
+    Where its ``group`` and ``async_op`` sit is found once here: a collective runs thousands of times a step."""
+    parameters = list(inspect.signature(fn).parameters)
+
+    def argument(args: tuple, kwargs: dict, key: str):
+        if key in kwargs:
+            return kwargs[key]
+        at = parameters.index(key) if key in parameters else len(args)
+        return args[at] if at < len(args) else None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        token = _enter(name, argument(args, kwargs, "group") or torch.distributed.group.WORLD)
+        start = time.monotonic()
+        try:
+            work = fn(*args, **kwargs)
+        except Exception as exc:
+            _end(token, exc)
+            raise
+        _waited[0] += time.monotonic() - start
+        with _lock:
+            if work is not None and argument(args, kwargs, "async_op"):
+                _inflight[token]["work"] = _future(work)
+            else:
+                _inflight.pop(token, None)
+        return work
+
+    call._adapter_watched = True
+    return call
+
+
+def _future(work):
+    """The work's future (``done()``, ``value()`` raising its error: Work's own ``is_success`` and
+    ``exception`` warn that they are deprecated), or, where a backend has none, a stand-in that is done
+    once the work is completed."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        return types.SimpleNamespace(done=work.is_completed, value=lambda: None)
+
+
+def _enter(name: str, group) -> int:
+    group_name = _group_names.get(group) or _group_names.setdefault(
+        group, torch.distributed.distributed_c10d._get_process_group_name(group))
+    token = next(_ids)
+    with _lock:
+        seq = next(_seqs.setdefault(group_name, itertools.count()))
+        _inflight[token] = {"name": name, "group": group, "group_name": group_name, "seq": seq,
+                            "start": time.monotonic(), "work": None, "arrived": False}
+    return token
+
+
+def _watch(timeout_minutes: float) -> None:
+    _timeout_minutes[0] = timeout_minutes
+    timeout = timeout_minutes * 60
+    while True:
+        time.sleep(_POLL)
+        now = time.monotonic()
+        with _lock:
+            entries = list(_inflight.items())
+        for token, entry in entries:
+            work = entry["work"]
+            if work is not None and work.done():
+                try:
+                    work.value()
+                except Exception as exc:  # noqa: BLE001 - whatever failed it, the collective failed
+                    _end(token, exc)
+                with _lock:
+                    _inflight.pop(token, None)
+            elif now - entry["start"] > timeout:
+                _end(token)
+            elif now - entry["start"] > timeout / 4 and not entry["arrived"]:
+                _store().set(_arrival_key(entry, torch.distributed.get_rank()), "1")
+                entry["arrived"] = True
+
+
+def _store():
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def _arrival_key(entry: dict, rank: int) -> str:
+    return f"adapter/arrived/{entry['group_name']}/{entry['seq']}/{rank}"
+
+
+def describe(entry: dict, rank: int) -> tuple[str, list[int]]:
+    """(``all_reduce on the tensor model parallel group (ranks [0, 1])``, the ranks that did not arrive)."""
+    ranks = torch.distributed.get_process_group_ranks(entry["group"])
+    desc = getattr(entry["group"], "group_desc", "") or entry["group_name"]
+    label = "the world" if entry["group"] is torch.distributed.group.WORLD else f"the {_plain(desc)}"
+    store = _store()
+    missing = [r for r in ranks if r != rank and not store.check([_arrival_key(entry, r)])]
+    return f"{entry['name']} on {label} (ranks {ranks})", missing
+
+
+def _plain(desc: str) -> str:
+    """megatron's ``TENSOR_MODEL_PARALLEL_GROUP`` as ``tensor model parallel group``."""
+    return desc.lower().replace("_", " ") if desc.isupper() else desc
+
+
+def _how(entry: dict, exc: BaseException | None) -> str:
+    """``timed out after 60 s (--distributed-timeout-minutes 1)`` (a library's own timeout error included),
+    or ``failed after 2 s (its error)``."""
+    seconds = time.monotonic() - entry["start"]
+    if seconds >= 0.95 * _timeout_minutes[0] * 60:
+        return f"timed out after {seconds:.0f} s (--distributed-timeout-minutes {_timeout_minutes[0]:g})"
+    return f"failed after {seconds:.0f} s ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+
+
+def _end(token: int, exc: BaseException | None = None) -> None:
+    """Say which collective, in which group, did not complete and who never came; end this process (its
+    exit would hang in the process groups' destructors)."""
+    _ending.acquire()  # the first to end it says it; another (the main thread, the watcher) waits for the exit
+    rank = torch.distributed.get_rank()
+    with _lock:
+        entry = _inflight[token]
+    how = _how(entry, exc)
+    try:
+        what, missing = describe(entry, rank)
+        absent = f"rank{'s' if len(missing) != 1 else ''} {', '.join(map(str, missing))} did not arrive" \
+            if missing else "every rank arrived"
+    except Exception as exc:  # the store itself is gone (its host died): say what is known
+        what, absent = f"{entry['name']} on {entry['group_name']}", f"the store did not answer ({exc})"
+    print(f"error: rank {rank}: {what} {how}: {absent}; ending this process", file=sys.stderr, flush=True)
+    _end_children()
+    os._exit(1)
+
+
+class StragglerCheck:
+    """Every log interval: gather each rank's mean time per iteration outside the collectives it waited in;
+    rank 0 names a rank above the others for ``STRAGGLER_INTERVALS`` intervals in a row."""
+
+    def __init__(self, log_interval: int):
+        self.log_interval, self.streaks = log_interval, {}
+        self.started, self.waited = time.monotonic(), _waited[0]
+
+    def step(self, iteration: int) -> str | None:
+        if iteration % self.log_interval:
+            return None
+        own = (time.monotonic() - self.started - (_waited[0] - self.waited)) / self.log_interval
+        times = [torch.zeros(1, dtype=torch.float64) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(times, torch.tensor([own], dtype=torch.float64))
+        self.started, self.waited = time.monotonic(), _waited[0]
+        line = self._judge([t.item() for t in times], iteration)
+        if line and torch.distributed.get_rank() == 0:
+            print(line, flush=True)
+        return line
+
+    def _judge(self, times: list[float], iteration: int) -> str | None:
+        line = None
+        for rank, own in enumerate(times):
+            others = statistics.median(times[:rank] + times[rank + 1:]) if len(times) > 1 else own
+            slow = own > STRAGGLER_RATIO * others and own - others > STRAGGLER_MIN_EXCESS_S
+            self.streaks[rank] = self.streaks.get(rank, 0) + 1 if slow else 0
+            if self.streaks[rank] == STRAGGLER_INTERVALS:
+                line = (f"straggler: rank {rank} spent {own * 1000:.0f} ms per iteration outside collectives, "
+                        f"{own / others:.1f}x the other ranks' median {others * 1000:.0f} ms, for the last "
+                        f"{STRAGGLER_INTERVALS} log intervals (to iteration {iteration})")
+        return line

@@ -1,0 +1,80 @@
+"""scripts/pretrain_gpt.py as torchrun runs it, with faults a test places: test-only, never shipped in a launch.
+
+``ADAPTER_TEST_FAULTS`` lists faults separated by commas, each ``GENERATION:RANK:WHAT[:ITERATION]``: in the
+generation of that number (torchrun's TORCHELASTIC_RESTART_COUNT), the rank of that number
+
+- ``startup``: is SIGKILLed as it starts megatron's model-parallel groups (its peers are then in ``new_group``);
+- ``step:N``: is SIGKILLed as iteration N ends (before its save, if N is one);
+- ``save:N``: is SIGKILLed once its part of iteration N's checkpoint is written, before the save is published;
+- ``stall:N``: stops answering as iteration N ends (SIGSTOP: alive, silent, its connections open);
+- ``slow:S``: sleeps S seconds in every iteration from the second on (a straggler).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import pretrain_gpt  # noqa: E402 - imports adapter, then megatron
+from megatron.core import parallel_state  # noqa: E402
+
+from adapter.training import checkpointing, training_log  # noqa: E402
+from models.checkpoint_dir import checkpoint_name  # noqa: E402
+
+
+def _faults() -> list[tuple[str, float | None]]:
+    """This process's faults: (what, iteration)."""
+    mine = []
+    for fault in filter(None, os.environ.get("ADAPTER_TEST_FAULTS", "").split(",")):
+        generation, rank, what, *iteration = fault.split(":")
+        if (generation, rank) == (os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]):
+            mine.append((what, float(iteration[0]) if iteration else None))
+    return mine
+
+
+def _wrap(owner, name: str, before=None, after=None) -> None:
+    original = getattr(owner, name)
+
+    def call(*args, **kwargs):
+        if before:
+            before(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if after:
+            after(*args, **kwargs)
+        return result
+
+    setattr(owner, name, call)
+
+
+def _signal_at(iteration: int, sig: int):
+    return lambda log, at, *a, **k: at == iteration and os.kill(os.getpid(), sig)
+
+
+def _install(what: str, n: float | None) -> None:
+    if what == "startup":
+        _wrap(parallel_state, "initialize_model_parallel", before=lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
+    elif what == "step":
+        _wrap(training_log.TrainingLog, "step", after=_signal_at(n, signal.SIGKILL))
+    elif what == "stall":
+        _wrap(training_log.TrainingLog, "step", after=_signal_at(n, signal.SIGSTOP))
+    elif what == "slow":
+        _wrap(training_log.TrainingLog, "step", before=lambda log, at, *a, **k: at > 1 and time.sleep(n))
+    elif what == "save":
+        name = checkpoint_name(int(n))
+        _wrap(checkpointing.dist_checkpointing, "save",
+              after=lambda state, directory, *a, **k: name in str(directory) and os.kill(os.getpid(), signal.SIGKILL))
+    else:
+        raise SystemExit(f"ADAPTER_TEST_FAULTS: unknown fault {what!r}; give startup, step, save, stall or slow")
+
+
+if __name__ == "__main__":
+    for fault in _faults():
+        _install(*fault)
+    sys.exit(pretrain_gpt.main())

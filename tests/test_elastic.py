@@ -1,0 +1,91 @@
+"""Restarts and hangs under torchrun, as a user launches scripts/pretrain_gpt.py: a rank lost at start-up,
+mid-save or mid-step brings the group back with the losses of a run that lost nothing; a rank that stops
+answering ends the job within the collective timeout, each survivor saying where. Two gloo ranks at TP 2,
+the faults placed by tests/elastic_rank.py (test-only)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.distributed import ROOT
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \|.*?lm loss: ([0-9.E+-]+)")
+
+
+def _argv(save, iters: int = 8, *extra) -> list[str]:
+    return ["--model", "qwen2.5-tiny", "--tensor-model-parallel-size", "2", "--mock-data", "--seq-length", "64",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "1e-3",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1", "--eval-iters", "0",
+            "--save", str(save), "--load", str(save), "--save-interval", "2", *map(str, extra)]
+
+
+def _torchrun(argv: list[str], faults: str = "", restarts: int = 0, timeout: float = 300) -> tuple[int, str, float]:
+    """(exit status, everything printed, seconds) of torchrun --standalone on 2 processes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ADAPTER_TEST_FAULTS": faults}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--max-restarts", str(restarts), "tests/elastic_rank.py", *argv], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return done.returncode, done.stdout, time.monotonic() - start
+
+
+def _losses(output: str) -> list[tuple[int, str]]:
+    """Every (iteration, lm loss) line logged, repeats after a restart included, in order."""
+    return [(int(i), loss) for i, loss in ITERATION.findall(output)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, str]:
+    status, output, _ = _torchrun(_argv(tmp_path_factory.mktemp("reference")))
+    assert status == 0, output
+    losses = dict(_losses(output))
+    assert sorted(losses) == list(range(1, 9))
+    return losses
+
+
+def test_a_rank_lost_at_start_up_mid_save_and_mid_step_resumes_with_the_uninterrupted_losses(reference, tmp_path):
+    """Generation 0 loses rank 1 as it creates megatron's groups, generation 1 loses rank 0 once its part
+    of iteration 4's checkpoint is written (the save never published), generation 2 loses rank 1 as
+    iteration 7 ends; generation 3 resumes from iteration 6 and finishes. Every loss logged, the repeats
+    included, is the uninterrupted run's, bit for bit."""
+    status, output, _ = _torchrun(_argv(tmp_path), "0:1:startup,1:0:save:4,2:1:step:7", restarts=3)
+    assert status == 0, output
+    logged = _losses(output)
+    assert [i for i, _ in logged] == [1, 2, 3, 4, 3, 4, 5, 6, 7, 7, 8], output
+    assert all(loss == reference[i] for i, loss in logged), (logged, reference)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "8"
+
+
+def test_a_stalled_rank_ends_the_job_within_the_timeout_with_one_line_and_the_restart_resumes(reference, tmp_path):
+    """Rank 1 stops answering (SIGSTOP) as iteration 5 ends; rank 0, in the next collective, ends within the
+    timeout (6 s) with one line naming it, its group and rank 1; torchrun (which waits 30 s for the stopped
+    process to take its SIGTERM, then SIGKILLs it) restarts the group, which resumes from iteration 4."""
+    status, output, seconds = _torchrun(_argv(tmp_path, 8, "--distributed-timeout-minutes", "0.1"), "0:1:stall:5",
+                                        restarts=1)
+    assert status == 0, output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert errors == ["error: rank 0: all_gather on the world (ranks [0, 1]) timed out after 6 s "
+                      "(--distributed-timeout-minutes 0.1): rank 1 did not arrive; ending this process"], output
+    logged = _losses(output)
+    assert [i for i, _ in logged] == [1, 2, 3, 4, 5, 5, 6, 7, 8], output
+    assert all(loss == reference[i] for i, loss in logged)
+    assert seconds < 150  # two start-ups, 6 s of timeout, torchrun's 30 s; without the watcher it never ends
+
+
+def test_a_slow_rank_is_named_as_a_straggler(tmp_path):
+    """Rank 1 sleeps 0.3 s in every iteration from the second: after three log intervals above 1.5x the
+    others', rank 0 names it, once."""
+    status, output, _ = _torchrun(_argv(tmp_path, 6), "0:1:slow:0.3")
+    assert status == 0, output
+    lines = [line for line in output.splitlines() if line.startswith("straggler:")]
+    assert len(lines) == 1, output
+    assert re.fullmatch(r"straggler: rank 1 spent (\d+) ms per iteration outside collectives, [\d.]+x the other "
+                        r"ranks' median \d+ ms, for the last 3 log intervals \(to iteration 4\)", lines[0]), lines
