@@ -15,8 +15,9 @@ checkpoint every 4 (``--save`` = ``--load``, so a restart resumes), ``--exit-sig
 
 The table: faults injected, runs (launches) completed, checkpoints lost (one saved before a fault and gone
 after it, or a saved one that does not load), losses equal to the clean run's exactly (every iteration's last
-logged loss), seconds to recover (from the fault to the first iteration logged after it), and the one error
-line where a fault is refused. The moments are drawn from ``--seed``.
+logged loss), seconds to recover (from the fault to the resumed run's first iteration), and the one error line
+users see (the survivors' where a rank is lost or stalls, the refusal where the fault is refused). The
+moments are drawn from ``--seed``.
 
     python bench/fault_injection.py [--faults none kill-twice ...] [--seed 0] [--timeout-minutes 1] [--json F]
 """
@@ -55,7 +56,7 @@ def write_corpus(prefix: Path, vocab: int = 500, documents: int = 400, seed: int
     builder.finalize(str(prefix) + ".idx")
 
 
-def command(corpus: Path, checkpoints: Path, timeout_minutes: int, *extra: str) -> list[str]:
+def command(corpus: Path, checkpoints: Path, timeout_minutes: float, *extra: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", "3", str(ROOT / "scripts" / "pretrain_gpt.py"), "--model", "qwen2.5-tiny",
             "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -89,10 +90,12 @@ class Launch:
         """(time, iteration, loss) of every iteration line so far."""
         return [(t, int(m[1]), float(m[2])) for t, line in list(self.lines) if (m := LINE.search(line))]
 
-    def wait_for_iteration(self, at_least: int, limit: float = 600) -> bool:
+    def wait_for_iteration(self, at_least: int, since: float = 0.0, limit: float = 600) -> bool:
+        """Wait until an iteration >= ``at_least`` is logged after ``since`` (a resumed generation's, after a
+        fault)."""
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline and self.process.poll() is None:
-            if any(i >= at_least for _, i, _ in self.iterations()):
+            if any(i >= at_least for t, i, _ in self.iterations() if t > since):
                 return True
             time.sleep(0.05)
         return False
@@ -122,9 +125,14 @@ def _losses(launches: list[Launch]) -> dict[int, float]:
 
 
 def _recovery(launches: list[Launch], fault_times: list[float]) -> float | None:
-    """The longest time from a fault to the next iteration logged after it."""
-    times = [t for launch in launches for t, _, _ in launch.iterations()]
-    gaps = [min((t - at for t in times if t > at), default=None) for at in fault_times]
+    """The longest time from a fault to the resumed run's first iteration: the first one logged after the
+    next ``loaded <checkpoint>`` line (a restarted generation's, or the next launch's)."""
+    lines = [(t, line) for launch in launches for t, line in launch.lines]
+    gaps = []
+    for at in fault_times:
+        loaded = next((t for t, line in lines if t > at and line.startswith("loaded ")), None)
+        resumed = next((t for t, line in lines if loaded is not None and t > loaded and LINE.search(line)), None)
+        gaps.append(None if resumed is None else resumed - at)
     return None if not gaps or None in gaps else max(gaps)
 
 
@@ -152,15 +160,27 @@ class Case:
         return self.launches[-1]
 
     def strike(self, launch: Launch, after_iteration: int, act) -> None:
-        """At a random moment after ``after_iteration`` is logged: ``act(launch)``; noted with what was saved."""
-        if launch.wait_for_iteration(after_iteration):
-            time.sleep(self.rng.uniform(0, 1.0))
-            self.saved_before |= _checkpoints(self.work / "checkpoints")
-            act(launch)
+        """At a random moment after ``after_iteration`` is logged (since the last fault): ``act(launch)``,
+        noted, with what was saved before it, where it struck (a generation between restarts has no workers)."""
+        since = self.fault_times[-1] if self.fault_times else 0.0
+        if not launch.wait_for_iteration(after_iteration, since):
+            return
+        time.sleep(self.rng.uniform(0, 0.3))  # an iteration of this run takes 0.1-0.3 s
+        saved = _checkpoints(self.work / "checkpoints")
+        deadline = time.monotonic() + 30
+        while not act(launch) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if time.monotonic() < deadline:
+            self.saved_before |= saved
             self.fault_times.append(time.monotonic())
 
-    def kill_a_worker(self, sig: int):
-        return lambda launch: (workers := launch.workers()) and os.kill(self.rng.choice(workers), sig)
+    def signal_a_worker(self, sig: int):
+        def act(launch: Launch) -> bool:
+            workers = launch.workers()
+            if workers:
+                os.kill(self.rng.choice(workers), sig)
+            return bool(workers)
+        return act
 
 
 def run_case(name: str, work: Path, corpus: Path, args, rng: random.Random) -> tuple[Case, list[int]]:
@@ -169,14 +189,14 @@ def run_case(name: str, work: Path, corpus: Path, args, rng: random.Random) -> t
         launch = case.launch()
         if name == "kill-twice":
             first = rng.randint(3, 9)
-            case.strike(launch, first, case.kill_a_worker(signal.SIGKILL))
-            case.strike(launch, rng.randint(first + 3, 18), case.kill_a_worker(signal.SIGKILL))
+            case.strike(launch, first, case.signal_a_worker(signal.SIGKILL))
+            case.strike(launch, rng.randint(first + 1, 18), case.signal_a_worker(signal.SIGKILL))
         elif name == "stall":
-            case.strike(launch, rng.randint(3, 12), case.kill_a_worker(signal.SIGSTOP))
+            case.strike(launch, rng.randint(3, 12), case.signal_a_worker(signal.SIGSTOP))
         return case, [launch.finish()]
     if name == "sigterm":
         launch = case.launch()
-        case.strike(launch, rng.randint(3, 18), lambda launch: os.killpg(launch.process.pid, signal.SIGTERM))
+        case.strike(launch, rng.randint(3, 14), lambda launch: os.killpg(launch.process.pid, signal.SIGTERM) or True)
         statuses = [launch.finish()]
         return case, statuses + [case.launch().finish()]
     if name == "nan":
@@ -200,7 +220,7 @@ def row(case: Case, statuses: list[int], clean: dict[int, float] | None) -> dict
                                                                           else 0),
             "launches": len(case.launches), "exit statuses": statuses, "completed": completed,
             "checkpoints lost": len(case.saved_before - saved), "losses equal": equal,
-            "recovery s": _recovery(case.launches, case.fault_times), "refused": errors[0] if errors else None,
+            "recovery s": _recovery(case.launches, case.fault_times), "error line": errors[0] if errors else None,
             "saved": sorted(saved)}
 
 
@@ -216,7 +236,7 @@ def _cell(value) -> str:
 
 def table(rows: list[dict]) -> str:
     header = ["fault", "injected", "launches", "completed", "checkpoints lost", "losses equal", "recovery s",
-              "refused"]
+              "error line"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     lines += ["| " + " | ".join(_cell(r[h]) for h in header) + " |" for r in rows]
     return "\n".join(lines)
@@ -226,7 +246,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
     parser.add_argument("--seed", type=int, default=0, help="draws the faults' moments and ranks")
-    parser.add_argument("--timeout-minutes", type=int, default=1, help="--distributed-timeout-minutes")
+    parser.add_argument("--timeout-minutes", type=float, default=0.5, help="--distributed-timeout-minutes")
     parser.add_argument("--work", help="keep the runs' logs and checkpoints here (default: a temporary folder)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
