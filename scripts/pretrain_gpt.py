@@ -46,7 +46,18 @@ def main(argv=None) -> int:
         if exc.report:
             print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    _leave_process_groups()
     return 0
+
+
+def _leave_process_groups() -> None:
+    """Tear the process groups down while the interpreter is whole: left to its exit, gloo's group can be
+    destroyed under a thread still running and abort the process (``terminate called without an active
+    exception``), which a torchrun restart then takes for a failed rank."""
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
