@@ -42,7 +42,8 @@ def language_model_config(hf: dict) -> dict:
         return hf
     if not isinstance(hf.get("text_config"), dict):
         raise UnsupportedCheckpoint(f"a {architecture} config.json without text_config: it has no language model")
-    return {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],
+    text = hf["text_config"]  # transformers ties the multimodal model's output layer by the outer config's flag
+    return {**text, "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
             "architectures": [LANGUAGE_MODEL_OF[architecture]]}
 
 

@@ -174,3 +174,15 @@ def test_weights_that_disagree_with_layer_types_are_refused(converted, tmp_path)
     with pytest.raises(ConversionError, match=r"lacks \d+ tensor\(s\) its config.json implies, e.g. "
                                               r"model.layers.0.self_attn"):
         hf_to_mcore(copy, tmp_path / "x", progress=False)
+
+
+def test_a_multimodal_config_ties_the_output_layer_by_its_outer_flag():
+    """transformers ties Qwen3_5ForConditionalGeneration's output layer by the outer config's
+    tie_word_embeddings (its text_config's may say otherwise)."""
+    from models.hf_hybrid import language_model_config
+
+    text = {"model_type": "qwen3_5_text", "tie_word_embeddings": False}
+    outer = {"architectures": ["Qwen3_5ForConditionalGeneration"], "tie_word_embeddings": True, "text_config": text}
+    assert language_model_config(outer) == {**text, "tie_word_embeddings": True,
+                                            "architectures": ["Qwen3_5ForCausalLM"]}
+    assert language_model_config({**outer, "tie_word_embeddings": False})["tie_word_embeddings"] is False
