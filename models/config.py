@@ -326,6 +326,15 @@ class ModelConfig:
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
+def moe_layer_freq_of(hf: dict) -> int | tuple[int, ...]:
+    """megatron's ``moe_layer_freq`` of a Hugging Face MoE config.json (Qwen3-MoE, Qwen3-Next): layer i is sparse
+    unless listed in ``mlp_only_layers``, when (i + 1) is a multiple of ``decoder_sparse_step``; 1 where every
+    layer is."""
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    pattern = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"]))
+    return 1 if all(pattern) else pattern
+
+
 def _positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ModelConfigError(f"{name}={value!r}: must be a positive integer")

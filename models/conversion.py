@@ -246,8 +246,9 @@ def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = 
     plan, sites = _plan(model, architecture, layout)
     expected = _hf_tensors(model, sites)
     _check_hf_tensors(weights, expected)
-    if weights.left_line():
-        print(weights.left_line(), file=sys.stderr)
+    left = weights.left_line()
+    if left:
+        print(left, file=sys.stderr)
     target = _dtype(dtype) or weights.dtype[expected[0][0]]
     if (save_dir / checkpoint_dir.TRACKER).exists() or (save_dir / checkpoint_dir.RELEASE).exists():
         raise ConversionError(f"{save_dir} already holds a checkpoint: choose an empty --save-dir")

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from . import hf_hybrid
-from .config import ModelConfig, ModelConfigError
+from .config import ModelConfig, ModelConfigError, moe_layer_freq_of
 from .weight_mappings import Architecture, GatedMLP, QKV, Rename, UnsupportedCheckpoint
 
 
@@ -90,11 +90,9 @@ def _qwen3_moe_settings(hf: dict) -> dict:
     if not experts:
         raise UnsupportedCheckpoint("a Qwen3MoeForCausalLM config.json without num_experts: convert it as "
                                     "Qwen3ForCausalLM")
-    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
-    pattern = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"]))
     return dict(qk_layernorm=True, add_qkv_bias=False, num_experts=experts,
                 moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_router_topk=hf["num_experts_per_tok"],
-                moe_layer_freq=1 if all(pattern) else pattern,
+                moe_layer_freq=moe_layer_freq_of(hf),
                 moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
                 moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .config import FULL_ATTENTION, HYBRID_FIELDS, LINEAR_ATTENTION, ModelConfig, ModelConfigError
+from .config import FULL_ATTENTION, HYBRID_FIELDS, LINEAR_ATTENTION, ModelConfig, ModelConfigError, moe_layer_freq_of
 from .qwen35 import every_fourth_full
 from .weight_mappings import (GatedMLP, GatedQKV, Mapping, Rename, Sections, UnsupportedCheckpoint, ZeroCentred,
                               pick)
@@ -64,11 +64,9 @@ def _experts(hf: dict, architecture: str) -> dict:
     expert."""
     if architecture == QWEN35:
         return {}
-    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
-    pattern = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"]))
     shared = hf.get("shared_expert_intermediate_size") or None
     return dict(num_experts=hf["num_experts"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
-                moe_router_topk=hf["num_experts_per_tok"], moe_layer_freq=1 if all(pattern) else pattern,
+                moe_router_topk=hf["num_experts_per_tok"], moe_layer_freq=moe_layer_freq_of(hf),
                 moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=shared is not None,
                 moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
                 moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))

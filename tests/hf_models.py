@@ -50,6 +50,20 @@ def save_tiny(name: str, directory: Path, seed: int = 0, dtype=torch.float32) ->
     return directory
 
 
+def convert_each(tmp_path_factory, names, save) -> dict:
+    """Each named tiny HF model saved by ``save(name, directory)`` and converted once at TP2 x PP2 (the layout
+    is recorded, not binding): name -> (hf dir, megatron dir, ModelConfig)."""
+    from models.conversion import hf_to_mcore, read_hf_config
+
+    out = {}
+    for name in names:
+        root = tmp_path_factory.mktemp(name)
+        hf_dir = save(name, root / "hf")
+        hf_to_mcore(hf_dir, root / "mcore", tp=2, pp=2, progress=False)
+        out[name] = (hf_dir, root / "mcore", read_hf_config(hf_dir)[1])
+    return out
+
+
 def hf_state(directory: Path) -> dict:
     from safetensors.torch import load_file
 

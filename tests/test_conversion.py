@@ -19,7 +19,7 @@ from models.conversion import ConversionError, hf_to_mcore, mcore_to_hf, read_hf
 from tests.conversion_ranks import (hf_logits_of, megatron_logits_at_layouts, megatron_logits_from,
                                     save_like_training)
 from tests.distributed import ROOT, run_ranks
-from tests.hf_models import TINY, TOKENIZER_CONFIG, hf_state, save_tiny
+from tests.hf_models import TINY, TOKENIZER_CONFIG, convert_each, hf_state, save_tiny
 
 pytest.importorskip("transformers")
 
@@ -27,13 +27,7 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """Each tiny HF model, saved and converted once: name -> (hf dir, megatron dir, ModelConfig)."""
-    out = {}
-    for name in TINY:
-        root = tmp_path_factory.mktemp(name)
-        hf_dir = save_tiny(name, root / "hf")
-        hf_to_mcore(hf_dir, root / "mcore", tp=2, pp=2, progress=False)
-        out[name] = (hf_dir, root / "mcore", read_hf_config(hf_dir)[1])
-    return out
+    return convert_each(tmp_path_factory, TINY, save_tiny)
 
 
 def _same_on_every_rank(results: list) -> torch.Tensor:

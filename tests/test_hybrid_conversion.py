@@ -19,7 +19,7 @@ from models import hf as hf_format
 from models.conversion import ConversionError, hf_to_mcore, mcore_to_hf, read_hf_config
 from tests.conversion_ranks import hf_logits_of, megatron_logits_at_layouts, megatron_logits_from, save_like_training
 from tests.distributed import ROOT, run_ranks
-from tests.hf_models import HYBRID, hf_state, save_tiny_hybrid, save_tiny_multimodal
+from tests.hf_models import HYBRID, convert_each, hf_state, save_tiny_hybrid, save_tiny_multimodal
 from tests.test_conversion import DENSE_LAYOUTS, MOE_LAYOUTS, _same_on_every_rank
 from tests.test_hybrid_models import needs_hybrid, needs_qwen35
 
@@ -29,13 +29,7 @@ pytestmark = [needs_hybrid, needs_qwen35]
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """Each tiny hybrid HF model, saved and converted once: name -> (hf dir, megatron dir, ModelConfig)."""
-    out = {}
-    for name in HYBRID:
-        root = tmp_path_factory.mktemp(name)
-        hf_dir = save_tiny_hybrid(name, root / "hf")
-        hf_to_mcore(hf_dir, root / "mcore", tp=2, pp=2, progress=False)
-        out[name] = (hf_dir, root / "mcore", read_hf_config(hf_dir)[1])
-    return out
+    return convert_each(tmp_path_factory, HYBRID, save_tiny_hybrid)
 
 
 def test_the_tiny_models_cover_what_the_families_vary(converted):

@@ -63,11 +63,12 @@ def _tracked(fn, name: str):
     """``fn`` noted in the in-flight table while it runs (and, when asynchronous, until its work is done).
     Where its ``group`` and ``async_op`` sit is found once here: a collective runs thousands of times a step."""
     parameters = list(inspect.signature(fn).parameters)
+    positions = {key: parameters.index(key) for key in ("group", "async_op") if key in parameters}
 
     def argument(args: tuple, kwargs: dict, key: str):
         if key in kwargs:
             return kwargs[key]
-        at = parameters.index(key) if key in parameters else len(args)
+        at = positions.get(key, len(args))
         return args[at] if at < len(args) else None
 
     @functools.wraps(fn)
