@@ -1,8 +1,9 @@
 """Faults injected into real training runs on CPU ranks, from outside, as a cluster inflicts them (issue 36).
 
-Every run is scripts/pretrain_gpt.py under ``torchrun --max-restarts 3`` on two gloo ranks: the tiny Qwen2.5 at
-TP 2, 24 iterations of a real corpus (megatron's indexed dataset of random token ids, written here), a
-checkpoint every 4 (``--save`` = ``--load``, so a restart resumes), ``--exit-signal-handler``. The faults:
+Every run is scripts/pretrain_gpt.py under ``scripts/launch.py --max-restarts 3`` (torchrun, with a preempted
+job that saved exiting 0) on two gloo ranks: the tiny Qwen2.5 at TP 2, 24 iterations of a real corpus
+(megatron's indexed dataset of random token ids, written here), a checkpoint every 4 (``--save`` = ``--load``,
+so a restart resumes), ``--exit-signal-handler``. The faults:
 
 - ``none``: the clean run, whose losses every other run must give;
 - ``kill-twice``: a rank SIGKILLed at a random moment, twice in one run (mid-step or mid-save, as it falls);
@@ -13,11 +14,11 @@ checkpoint every 4 (``--save`` = ``--load``, so a restart resumes), ``--exit-sig
   after the bad step;
 - ``corrupt-data``: the corpus's .bin cut short: refused in one line before the first step.
 
-The table: faults injected, runs (launches) completed, checkpoints lost (one saved before a fault and gone
-after it, or a saved one that does not load), losses equal to the clean run's exactly (every iteration's last
-logged loss), seconds to recover (from the fault to the resumed run's first iteration), and the one error line
-users see (the survivors' where a rank is lost or stalls, the refusal where the fault is refused). The
-moments are drawn from ``--seed``.
+The table: faults injected, runs (launches) completed (the last iteration reached, every launch exited 0),
+checkpoints lost (one saved before a fault and gone after it, or a saved one that does not load), losses equal
+to the clean run's exactly (every iteration's last logged loss), seconds to recover (from the fault to the
+resumed run's first iteration), and the one error line users see (the survivors' where a rank is lost or
+stalls, the refusal where the fault is refused). The moments are drawn from ``--seed``.
 
     python bench/fault_injection.py [--faults none kill-twice ...] [--seed 0] [--timeout-minutes 1] [--json F]
 """
@@ -57,7 +58,7 @@ def write_corpus(prefix: Path, vocab: int = 500, documents: int = 400, seed: int
 
 
 def command(corpus: Path, checkpoints: Path, timeout_minutes: float, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    return [sys.executable, str(ROOT / "scripts" / "launch.py"), "--standalone", "--nproc-per-node", "2",
             "--max-restarts", "3", str(ROOT / "scripts" / "pretrain_gpt.py"), "--model", "qwen2.5-tiny",
             "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--seq-length", "64", "--train-iters", str(ITERATIONS), "--lr", "3e-3", "--min-lr", "3e-4",
@@ -212,7 +213,7 @@ def run_case(name: str, work: Path, corpus: Path, args, rng: random.Random) -> t
 
 def row(case: Case, statuses: list[int], clean: dict[int, float] | None) -> dict:
     losses = _losses(case.launches)
-    completed = max(losses, default=0) == ITERATIONS and statuses[-1] == 0
+    completed = max(losses, default=0) == ITERATIONS and not any(statuses)
     saved = _checkpoints(case.work / "checkpoints")
     errors = _error_lines(case.launches)
     equal = None if not completed or clean is None else losses == clean

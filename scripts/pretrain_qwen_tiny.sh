@@ -16,7 +16,8 @@
 # Environment (default): MODEL (qwen2.5-tiny), OUTPUT_DIR (./qwen-tiny-run, ./MODEL-run for another model:
 # data, checkpoints, tensorboard), TRAIN_ITERS (300), EVAL_INTERVAL (50), EXIT_INTERVAL (none), PYTHON
 # (python3), MAX_RESTARTS (0: how often torchrun brings the 4 processes back after one is lost or hangs; each
-# restart resumes from the newest checkpoint), EXTRA_ARGS (appended to the arguments).
+# restart resumes from the newest checkpoint), EXTRA_ARGS (appended to the arguments). SIGTERM (Ctrl-C is
+# SIGINT) stops it after the iteration in flight, saved, with exit status 0 (scripts/launch.py).
 # A run finds its checkpoint in OUTPUT_DIR/checkpoints and continues from it; delete the folder to restart.
 # scripts/plot_loss.py OUTPUT_DIR/tensorboard draws the curves.
 set -euo pipefail
@@ -58,11 +59,12 @@ ARGS=(
     --data-path "$PREFIX" --split 949,50,1 --no-create-attention-mask-in-dataloader
     --eval-interval "$EVAL_INTERVAL" --eval-iters 5 --log-interval 25
     --save "$OUTPUT_DIR/checkpoints" --load "$OUTPUT_DIR/checkpoints" --save-interval "$TRAIN_ITERS"
+    --exit-signal-handler
     --tensorboard-dir "$OUTPUT_DIR/tensorboard" --seed 1234
 )
 if [[ -n "${EXIT_INTERVAL:-}" ]]; then
     ARGS+=(--exit-interval "$EXIT_INTERVAL")
 fi
 
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 4 --max-restarts "${MAX_RESTARTS:-0}" \
+exec "$PYTHON" "$ROOT/scripts/launch.py" --standalone --nproc_per_node 4 --max-restarts "${MAX_RESTARTS:-0}" \
     "$ROOT/scripts/pretrain_gpt.py" "${ARGS[@]}" ${EXTRA[@]+"${EXTRA[@]}"}

@@ -214,11 +214,12 @@ def test_cli_errors_are_one_line(argv, message, capsys):
 
 
 def _script_env(tmp_path: Path, **extra: str) -> dict:
-    """The environment of a fresh shell: no paths or sizes from this one, and a torchrun that only records."""
+    """The environment of a fresh shell: no paths or sizes from this one, and a torchrun that only records (the
+    launch's TORCHRUN, where a test asks for it)."""
     env = {k: v for k, v in os.environ.items()
            if k not in {"DATA_PATH", "TOKENIZER_MODEL", "CKPT_LOAD_DIR", "CKPT_SAVE_DIR", "TENSORBOARD_DIR",
                         "NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "DRY_RUN",
-                        "MAX_RESTARTS", "RDZV_ID",
+                        "MAX_RESTARTS", "RDZV_ID", "TORCHRUN",
                         "EXTRA_ARGS", "TRAIN_ITERS", "ADAPTER_BACKEND"}}
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -240,7 +241,8 @@ def test_dry_run_prints_command_and_plan(tmp_path):
     out = done.stdout
     assert "--tensor-model-parallel-size 8" in out and "--pipeline-model-parallel-size 4" in out
     assert "--num-layers-per-virtual-pipeline-stage 4" in out and "--model qwen2.5-72b" in out
-    assert "torchrun \\\n    --nnodes 4 \\\n" in out and "HCCL_CONNECT_TIMEOUT=1800" in out
+    assert f"{sys.executable} {ROOT}/scripts/launch.py \\\n    --nnodes 4 \\\n" in out
+    assert "HCCL_CONNECT_TIMEOUT=1800" in out
     assert "    --rdzv-backend c10d \\\n    --rdzv-endpoint localhost:6000 \\\n" in out
     assert "    --max-restarts 3 \\\n" in out
     expected = plan(QWEN72B, **LAUNCHER_4K)
@@ -301,9 +303,9 @@ def test_missing_data_path_fails_before_launching(tmp_path):
 
 @pytest.mark.slow
 def test_launch_passes_the_environment_to_torchrun(tmp_path):
-    env = _script_env(tmp_path, DATA_PATH="0.3 /data/a 0.7 /data/b", TOKENIZER_MODEL="/models/qwen",
-                      CKPT_SAVE_DIR="/ckpt/out", NODE_RANK="2", MASTER_ADDR="10.0.0.1", EXTRA_ARGS="--train-iters 5",
-                      HCCL_CONNECT_TIMEOUT="600")
+    env = _script_env(tmp_path, TORCHRUN=str(tmp_path / "bin" / "torchrun"), DATA_PATH="0.3 /data/a 0.7 /data/b",
+                      TOKENIZER_MODEL="/models/qwen", CKPT_SAVE_DIR="/ckpt/out", NODE_RANK="2", MASTER_ADDR="10.0.0.1",
+                      EXTRA_ARGS="--train-iters 5", HCCL_CONNECT_TIMEOUT="600")
     done = _run_script(env)
     assert done.returncode == 0, done.stderr
     argv = (tmp_path / "torchrun-args").read_text().split("\n")[:-1]
@@ -313,7 +315,8 @@ def test_launch_passes_the_environment_to_torchrun(tmp_path):
                               f"{ROOT / 'scripts' / 'pretrain_gpt.py'} --model qwen2.5-72b ")
     assert "--data-path 0.3 /data/a 0.7 /data/b --split" in command
     assert "--tokenizer-model /models/qwen" in command and "--save /ckpt/out --save-interval 2000" in command
-    assert "--load" not in argv and command.endswith("--train-iters 5")
+    assert "--load" not in argv and command.endswith("--save-interval 2000 --train-iters 5")
+    assert "--distributed-timeout-minutes 30 --exit-signal-handler " in command
     assert "memory plan per device" in done.stdout  # checked before launching
     launched_env = dict(line.split("=", 1) for line in (tmp_path / "torchrun-env").read_text().splitlines()
                         if "=" in line)

@@ -1,10 +1,10 @@
 """Preemption and non-finite steps (adapter/training/preemption.py, adapter/training/nonfinite.py) on gloo ranks.
 
-Preemption: SIGTERM to torchrun only, or to every process of the job as a scheduler sends it; every rank
-finishes its iteration, the flow saves it, the job exits 0, and the next launch continues an uninterrupted
-run's loss curve exactly. --exit-duration-in-mins leaves with a checkpoint. Non-finite steps: a NaN loss
-stops the run with one line naming the iteration, the rank and the value, after megatron's rerun state
-machine re-ran the step, and nothing is saved after it (the files on disk)."""
+Preemption: SIGTERM to the launcher only, or to every process of the job as a scheduler sends it; every rank
+finishes its iteration, the flow saves it, the job exits 0 (scripts/launch.py; plain torchrun exits 1), and the
+next launch continues an uninterrupted run's loss curve exactly. --exit-duration-in-mins leaves with a
+checkpoint. Non-finite steps: a NaN loss stops the run with one line naming the iteration, the rank and the
+value, after megatron's rerun state machine re-ran the step, and nothing is saved after it (the files on disk)."""
 
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ def _saved(directory) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
-def _torchrun_preempted(save, to_group: bool) -> tuple[int, str, int]:
-    """torchrun with 2 workers, SIGTERM once iteration 3 is logged: to torchrun only, or to its whole process
-    group. Returns torchrun's exit status, everything printed and torchrun's pid."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), "scripts/pretrain_gpt.py", *_argv("--exit-signal-handler", "--save", str(save))]
+def _preempted(save, to_group: bool, launcher: list[str]) -> tuple[int, str, int]:
+    """``launcher`` (torchrun's arguments) with 2 workers, SIGTERM once iteration 3 is logged: to the launcher
+    only, or to its whole process group. Returns the launcher's exit status, everything printed and its pid."""
+    command = [sys.executable, *launcher, "--nproc-per-node", "2", "--master-port", str(free_port()),
+               "scripts/pretrain_gpt.py", *_argv("--exit-signal-handler", "--save", str(save))]
     launcher = subprocess.Popen(command, cwd=ROOT, env=_base_env(None), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     printed = []
@@ -59,24 +59,38 @@ def _torchrun_preempted(save, to_group: bool) -> tuple[int, str, int]:
     return launcher.returncode, "".join(printed), launcher.pid
 
 
-@pytest.mark.parametrize("to_group", [False, True], ids=["to torchrun only", "to every process"])
-def test_sigterm_saves_the_iteration_every_rank_finished_and_the_next_launch_resumes_exactly(
-        reference, tmp_path, to_group):
-    status, output, pid = _torchrun_preempted(tmp_path / "saved", to_group)
+def _stopped_at(output: str, save) -> int:
+    """The iteration the one ``stopped after`` line names; the checkpoint directory holds it alone."""
     stopped = [line for line in output.splitlines() if "[adapter] stopped after iteration" in line]
     assert len(stopped) == 1, output[-4000:]
     iteration = int(stopped[0].split("stopped after iteration ")[1].split(":")[0])
-    assert stopped[0].endswith(f"{iteration}: SIGTERM received; saved in {tmp_path / 'saved'}, resume with --load")
+    assert stopped[0].endswith(f"{iteration}: SIGTERM received; saved in {save}, resume with --load")
     assert 3 <= iteration <= 12, output[-4000:]
-    assert _saved(tmp_path / "saved") == [checkpoint_dir.checkpoint_name(iteration), checkpoint_dir.TRACKER]
-    # the workers ended within torchrun's --shutdown-timeout (30 s), no SIGKILL; torchrun itself (torch 2.13)
-    # then raises the signal it received as a SignalException, its one traceback, and exits 1
+    assert _saved(save) == [checkpoint_dir.checkpoint_name(iteration), checkpoint_dir.TRACKER]
+    # the workers ended within the launcher's --shutdown-timeout (30 s), no SIGKILL
     assert "forcefully exiting via" not in output, output[-4000:]
-    assert status == 1 and output.count("Traceback") == 1, output[-4000:]
-    assert output.rstrip().endswith("SignalException: Process " + str(pid) + " got signal: 15"), output[-4000:]
+    return iteration
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["to the launcher only", "to every process"])
+def test_sigterm_saves_the_iteration_every_rank_finished_the_job_exits_0_and_the_next_launch_resumes_exactly(
+        reference, tmp_path, to_group):
+    status, output, _ = _preempted(tmp_path / "saved", to_group, ["scripts/launch.py"])
+    iteration = _stopped_at(output, tmp_path / "saved")
+    assert status == 0 and "Traceback" not in output, output[-4000:]
+    assert "[launch] SIGTERM: every worker saved and exited 0" in output
     resumed = logged_losses(run_ranks(2, run_pretrain, _argv("--load", str(tmp_path / "saved"), "--exit-interval",
                                                              str(iteration + 3))))
     assert resumed == {i: reference[i] for i in range(iteration + 1, iteration + 4)}
+
+
+def test_plain_torchrun_saves_as_well_but_exits_1(tmp_path):
+    """What scripts/launch.py is for: torchrun (torch 2.13) raises the signal it received as a SignalException,
+    its one traceback, and exits 1 whatever its workers did."""
+    status, output, pid = _preempted(tmp_path / "saved", False, ["-m", "torch.distributed.run"])
+    _stopped_at(output, tmp_path / "saved")
+    assert status == 1 and output.count("Traceback") == 1, output[-4000:]
+    assert output.rstrip().endswith("SignalException: Process " + str(pid) + " got signal: 15"), output[-4000:]
 
 
 def test_the_time_budget_saves_and_leaves_before_it_runs_out(tmp_path):

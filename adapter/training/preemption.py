@@ -10,10 +10,11 @@ one all-reduce (MAX) of two numbers, whether any rank has received it or the tim
 after the same iteration, the flow saves it, and the job exits 0; the next launch with ``--load`` resumes
 exactly there.
 
-torchrun (torch 2.13) forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT (``--signals-to-handle``) to its
-workers, waits ``--shutdown-timeout`` seconds (default ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` or 30) and then
-SIGKILLs them: the iteration in flight and the save must fit in that time, or the kill lands in the save,
-which loses nothing (the previous checkpoint stays, adapter/training/checkpointing.py) but saves nothing.
+A launcher that gets the signal passes it to the workers and SIGKILLs them ``--shutdown-timeout`` seconds
+later (torchrun's default ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` or 30): the iteration in flight and the save must
+fit in that time, or the kill lands in the save, which loses nothing (the previous checkpoint stays,
+adapter/training/checkpointing.py) but saves nothing. torchrun then exits 1 whatever the workers did;
+scripts/launch.py exits 0 when they all saved.
 """
 
 from __future__ import annotations

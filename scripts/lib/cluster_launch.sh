@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # The part the cluster pretraining launchers (scripts/pretrain_qwen_72b.sh, pretrain_qwen3_*.sh) share:
 # environment defaults, the collective libraries' settings, the check for DATA_PATH and TOKENIZER_MODEL,
-# and the torchrun launch with its memory plan, or, with DRY_RUN=1, the printed environment, command and plan.
+# and the launch (scripts/launch.py: torchrun, where a preempted job that saved exits 0) with its memory
+# plan, or, with DRY_RUN=1, the printed environment, command and plan.
 # Sourced, not run; plain bash (4.4 or later), safe under `set -euo pipefail`. A launcher reads:
 #
 #   set -euo pipefail
@@ -34,7 +35,9 @@
 #                         blanks (so they win), to ARGS; with DRY_RUN=1 prints the collective environment, the
 #                         torchrun command (one option per line, pastes back into a shell; a c10d rendezvous at
 #                         MASTER_ADDR:MASTER_PORT and --max-restarts MAX_RESTARTS) and the plan, and
-#                         exits 0; otherwise prints the plan and execs torchrun on scripts/pretrain_gpt.py.
+#                         exits 0; otherwise prints the plan and execs the launcher on scripts/pretrain_gpt.py:
+#                         PYTHON scripts/launch.py, or TORCHRUN where set (split at blanks; torchrun's arguments
+#                         follow it).
 #
 # ROOT (the repository) must be set before sourcing; nothing here depends on the working directory.
 
@@ -97,7 +100,7 @@ _cluster_quote() {
 }
 
 launch_or_dry_run() {
-    local args=("$@") extra name line arg
+    local args=("$@") extra torchrun name line arg
     [[ -z "${CKPT_LOAD_DIR:-}" ]] || args+=(--load "$CKPT_LOAD_DIR")
     [[ -z "${CKPT_SAVE_DIR:-}" ]] || args+=(--save "$CKPT_SAVE_DIR" --save-interval "$SAVE_INTERVAL")
     [[ -z "${TENSORBOARD_DIR:-}" ]] || args+=(--tensorboard-dir "$TENSORBOARD_DIR")
@@ -107,7 +110,12 @@ launch_or_dry_run() {
     local script="$ROOT/scripts/pretrain_gpt.py"
     # torchrun's c10d rendezvous, hosted at MASTER_ADDR:MASTER_PORT, outlives a restart (a static one is torn
     # down with the failed workers); --max-restarts brings every node's workers back after a lost rank
-    local launch=(torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE"
+    if [[ -n "${TORCHRUN:-}" ]]; then
+        read -r -a torchrun <<< "$TORCHRUN"
+    else
+        torchrun=("$PYTHON" "$ROOT/scripts/launch.py")
+    fi
+    local launch=("${torchrun[@]}" --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE"
                   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
                   --max-restarts "$MAX_RESTARTS" "$script" "${args[@]}")
 
@@ -119,8 +127,11 @@ launch_or_dry_run() {
         echo "command (DRY_RUN=1: not launched):"
         # an option and its values per line, quoted where the shell needs it: the block pastes back into a
         # shell
-        line="${launch[0]}"
-        for arg in "${launch[@]:1}"; do
+        line="$(_cluster_quote "${torchrun[0]}")"
+        for arg in "${torchrun[@]:1}"; do
+            line+=" $(_cluster_quote "$arg")"
+        done
+        for arg in "${launch[@]:${#torchrun[@]}}"; do
             if [[ "$arg" == -* || "$arg" == "$script" ]]; then
                 printf '%s \\\n' "$line"
                 line="    $(_cluster_quote "$arg")"
@@ -164,5 +175,6 @@ add_recipe_training_args() {
         --eval-iters 0
         --log-interval 1
         --distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES"
+        --exit-signal-handler  # preempted (SIGTERM): every rank finishes its iteration, saves, the job exits 0
     )
 }
