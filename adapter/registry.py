@@ -113,6 +113,7 @@ class PatchRegistry:
         self._routed: dict[str, Patch] = {}
         self._active = False
         self._lock = threading.RLock()
+        self.supported = ""  # the megatron-core releases of check_release: what a patch registered later declares
 
     # ------------------------------------------------------------------ registration
     def replace(self, target: str, new: Any, *, reason: str, versions: str,
@@ -203,6 +204,7 @@ class PatchRegistry:
         """Refuse, before any patch goes in, a megatron-core outside the supported ``versions``, in one line
         naming the releases the table was ``checked_on``; with ADAPTER_ALLOW_UNTESTED_MEGATRON=1 go on with
         a warning saying the same."""
+        self.supported = versions
         installed = self._megatron_version()
         if _version_allowed(installed, versions):
             return

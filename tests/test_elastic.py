@@ -80,6 +80,23 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout_with_one_line_and_the_re
     assert seconds < 150  # two start-ups, 6 s of timeout, torchrun's 30 s; without the watcher it never ends
 
 
+def test_a_stalled_pipeline_stage_ends_its_peer_in_a_send_or_receive_with_one_line(tmp_path):
+    """PP 2: rank 1 (the last stage) stops answering as iteration 5 ends. Rank 0's next step posts its
+    activations and waits for rank 1's gradients, no collective in between (the straggler check gathers at
+    log intervals, every 4th iteration here): the pipeline's own send and receive end it, named."""
+    argv = _argv(tmp_path, 8, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                 "--log-interval", "4", "--distributed-timeout-minutes", "0.1")
+    status, output, seconds = _torchrun(argv, "0:1:stall:5", restarts=1)
+    assert status == 0, output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(
+        r"error: rank 0: pipeline (send to|receive from) rank 1(, (send to|receive from) rank 1)? on the pipeline "
+        r"model parallel group \(ranks \[0, 1\]\) timed out after 6 s \(--distributed-timeout-minutes 0.1\): rank 1 "
+        r"did not answer; ending this process", errors[0]), output
+    assert [i for i, _ in _losses(output)] == [4, 8], output
+    assert seconds < 150
+
+
 def test_a_slow_rank_is_named_as_a_straggler(tmp_path):
     """Rank 1 sleeps 0.3 s in every iteration from the second: after three log intervals above 1.5x the
     others', rank 0 names it, once."""

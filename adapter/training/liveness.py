@@ -5,11 +5,13 @@ its own: on gloo the survivor's ``wait()`` on an asynchronous all-reduce outlive
 collective thread's receive never returns), and where the timeout does raise, the interpreter's exit then
 hangs in the process groups' destructors; NCCL and HCCL end it only through their own watchdogs, with
 lines that name no megatron group. So every rank tracks the collectives it is in (torch.distributed's
-collective functions, wrapped once), and a watcher thread ends the process, whatever its main thread is
-blocked in, once one has lasted ``--distributed-timeout-minutes``, or at once when one fails. Before that,
-a rank whose collective has lasted a quarter of the timeout records in the store that it arrived, so the
-one line each survivor prints names the collective, its group, its ranks and those that never arrived.
-Under torchrun ``--max-restarts`` the group then restarts from the newest checkpoint.
+collective functions) and the pipeline's sends and receives (megatron's ``_batched_p2p_ops`` and ``_p2p_ops``,
+whose requests megatron waits on), each wrapped once through the patch registry when the flow starts
+watching, and a watcher thread ends the process, whatever its main thread is blocked in, once one has lasted
+``--distributed-timeout-minutes``, or at once when one fails. Before that, a rank whose collective has lasted a
+quarter of the timeout records in the store that it arrived, so the one line each survivor prints names the
+collective, its group, its ranks and those that never arrived (for a send or receive: its peers). Under
+torchrun ``--max-restarts`` the group then restarts from the newest checkpoint.
 
 Stragglers. Every log interval the ranks gather each one's mean time per iteration spent outside the
 collectives it waited in (the time the others wait for it); rank 0 names a rank whose time was more than
@@ -31,12 +33,21 @@ import types
 
 import torch
 
+import adapter
+from adapter import backend, device
 from adapter.training.shared_outcome import _end_children
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "gather_object",
                "scatter_object_list", "reduce_scatter",
                "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "barrier", "all_to_all",
                "all_to_all_single", "gather", "scatter", "_all_gather_base", "_reduce_scatter_base")
+# megatron's pipeline sends and receives, both ways it posts them (batched or not), with its keywords
+_P2P = "megatron.core.pipeline_parallel.p2p_communication"
+_P2P_FUNCTIONS = ("_batched_p2p_ops", "_p2p_ops")
+_P2P_PARTS = (("tensor_recv_prev", "receive from", "prev_pipeline_rank"),
+              ("tensor_send_prev", "send to", "prev_pipeline_rank"),
+              ("tensor_recv_next", "receive from", "next_pipeline_rank"),
+              ("tensor_send_next", "send to", "next_pipeline_rank"))
 STRAGGLER_RATIO, STRAGGLER_INTERVALS, STRAGGLER_MIN_EXCESS_S = 1.5, 3, 0.1
 _POLL = 0.25  # seconds between the watcher's looks
 _lock = threading.Lock()
@@ -47,16 +58,26 @@ _seqs: dict[str, itertools.count] = {}  # group name -> this rank's count of col
 _group_names: dict = {}  # process group -> its name (groups live as long as the run)
 _waited = [0.0]  # seconds this rank spent inside synchronous collectives
 _timeout_minutes = [0.0]
+_watcher: list[threading.Thread] = []
+_queued = [False]  # NCCL / HCCL: a collective called without async_op returns once queued on the device
 
 
 def watch(timeout_minutes: float) -> None:
-    """Track the collectives from now on and start the watcher (once per process)."""
-    if getattr(torch.distributed.all_reduce, "_adapter_watched", False):
+    """Track the collectives and the pipeline's sends and receives from now on, and start the watcher (once
+    per process)."""
+    if _watcher:
         return
+    _queued[0] = backend.current().is_accelerator
+    reason = "a collective a stalled rank never joins ends the job within the timeout, named (training.liveness)"
     for name in COLLECTIVES:
         if hasattr(torch.distributed, name):
-            setattr(torch.distributed, name, _tracked(getattr(torch.distributed, name), name))
-    threading.Thread(target=_watch, args=(timeout_minutes,), daemon=True, name="adapter-liveness").start()
+            adapter.registry.wrap(f"torch.distributed:{name}", functools.partial(_tracked, name=name),
+                                  reason=reason, versions=adapter.registry.supported)
+    for name in _P2P_FUNCTIONS:
+        adapter.registry.wrap(f"{_P2P}:{name}", _tracked_p2p, versions=adapter.registry.supported,
+                              reason="a pipeline send or receive a stalled stage never answers ends the job, named")
+    _watcher.append(threading.Thread(target=_watch, args=(timeout_minutes,), daemon=True, name="adapter-liveness"))
+    _watcher[0].start()
 
 
 def _tracked(fn, name: str):
@@ -81,15 +102,73 @@ def _tracked(fn, name: str):
             _end(token, exc)
             raise
         _waited[0] += time.monotonic() - start
+        pending = _future(work) if work is not None and argument(args, kwargs, "async_op") else _on_device()
         with _lock:
-            if work is not None and argument(args, kwargs, "async_op"):
-                _inflight[token]["work"] = _future(work)
+            if pending is not None:
+                _inflight[token]["work"] = pending
             else:
                 _inflight.pop(token, None)
         return work
 
-    call._adapter_watched = True
     return call
+
+
+def _tracked_p2p(fn):
+    """megatron's ``_batched_p2p_ops`` / ``_p2p_ops`` (keywords only), noted in the in-flight table until every
+    request it posted is complete: megatron waits on them at once, or a micro-batch later when it overlaps.
+    gloo completes a send or receive only in its ``wait()``, so a stalled peer leaves the entry to age; gloo's
+    own timeout raises in that ``wait()``, which the requests handed back therefore answer with the line."""
+
+    @functools.wraps(fn)
+    def call(**kwargs):
+        posted = [(what, kwargs[peer]) for tensor, what, peer in _P2P_PARTS if kwargs.get(tensor) is not None]
+        name = "pipeline " + ", ".join(f"{what} rank {peer}" for what, peer in posted)
+        token = _enter(name, kwargs["group"], peers=sorted({peer for _, peer in posted}))
+        try:
+            requests = fn(**kwargs)
+        except Exception as exc:
+            _end(token, exc)
+            raise
+        works = list(requests.values() if isinstance(requests, dict) else requests)
+        with _lock:
+            _inflight[token]["work"] = types.SimpleNamespace(done=lambda: all(w.is_completed() for w in works),
+                                                             value=lambda: None)
+        if isinstance(requests, dict):
+            return {key: _Request(work, token) for key, work in requests.items()}
+        return [_Request(work, token) for work in requests]
+
+    return call
+
+
+class _Request:
+    """A pipeline request (megatron only calls its ``wait()``) whose failing wait ends the process with the
+    line, as a tracked collective's failure does."""
+
+    __slots__ = ("work", "token")
+
+    def __init__(self, work, token: int):
+        self.work, self.token = work, token
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self.work.wait(*args, **kwargs)
+        except Exception as exc:
+            _end(self.token, exc)
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
+
+
+def _on_device():
+    """What a synchronous collective left to wait for: on NCCL and HCCL it returned once queued on the current
+    stream, so an event recorded after it tells when the device has run it (a stalled peer: never); on gloo it
+    is done when it returns (None)."""
+    if not _queued[0]:
+        return None
+    event = device.Event()
+    event.record()
+    return types.SimpleNamespace(done=event.query, value=lambda: None)
 
 
 def _future(work):
@@ -102,20 +181,23 @@ def _future(work):
         return types.SimpleNamespace(done=work.is_completed, value=lambda: None)
 
 
-def _enter(name: str, group) -> int:
+def _enter(name: str, group, peers: list[int] | None = None) -> int:
     group_name = _group_names.get(group) or _group_names.setdefault(
         group, torch.distributed.distributed_c10d._get_process_group_name(group))
     token = next(_ids)
     with _lock:
         seq = next(_seqs.setdefault(group_name, itertools.count()))
-        _inflight[token] = {"name": name, "group": group, "group_name": group_name, "seq": seq,
-                            "start": time.monotonic(), "work": None, "arrived": False}
+        _inflight[token] = {"name": name, "group": group, "group_name": group_name, "seq": seq, "peers": peers,
+                            "start": time.monotonic(), "work": None, "arrived": peers is not None}
     return token
 
 
 def _watch(timeout_minutes: float) -> None:
+    """The watcher's loop. It ends a collective two looks before the timeout: the process group's own timeout
+    (the same minutes, counted from a moment after the entry's start) raises inside a ``wait()`` on an
+    asynchronous one, which no wrapper sees, and would otherwise end the process with a traceback first."""
     _timeout_minutes[0] = timeout_minutes
-    timeout = timeout_minutes * 60
+    timeout = _deadline()
     while True:
         time.sleep(_POLL)
         now = time.monotonic()
@@ -148,10 +230,13 @@ def _arrival_key(entry: dict, rank: int) -> str:
 
 
 def describe(entry: dict, rank: int) -> tuple[str, list[int]]:
-    """(``all_reduce on the tensor model parallel group (ranks [0, 1])``, the ranks that did not arrive)."""
+    """(``all_reduce on the tensor model parallel group (ranks [0, 1])``, the ranks that did not arrive: for a
+    pipeline send or receive, its peers)."""
     ranks = torch.distributed.get_process_group_ranks(entry["group"])
     desc = getattr(entry["group"], "group_desc", "") or entry["group_name"]
     label = "the world" if entry["group"] is torch.distributed.group.WORLD else f"the {_plain(desc)}"
+    if entry["peers"] is not None:
+        return f"{entry['name']} on {label} (ranks {ranks})", entry["peers"]
     store = _store()
     missing = [r for r in ranks if r != rank and not store.check([_arrival_key(entry, r)])]
     return f"{entry['name']} on {label} (ranks {ranks})", missing
@@ -162,11 +247,16 @@ def _plain(desc: str) -> str:
     return desc.lower().replace("_", " ") if desc.isupper() else desc
 
 
+def _deadline() -> float:
+    """Seconds after which the watcher ends a collective (``_watch``)."""
+    return _timeout_minutes[0] * 60 - 2 * _POLL
+
+
 def _how(entry: dict, exc: BaseException | None) -> str:
-    """``timed out after 60 s (--distributed-timeout-minutes 1)`` (a library's own timeout error included),
-    or ``failed after 2 s (its error)``."""
+    """``timed out after 60 s (--distributed-timeout-minutes 1)`` (the watcher's, or a library's own timeout
+    error), or ``failed after 2 s (its error)``."""
     seconds = time.monotonic() - entry["start"]
-    if seconds >= 0.95 * _timeout_minutes[0] * 60:
+    if exc is None or seconds >= 0.95 * _deadline():
         return f"timed out after {seconds:.0f} s (--distributed-timeout-minutes {_timeout_minutes[0]:g})"
     return f"failed after {seconds:.0f} s ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
 
@@ -181,7 +271,8 @@ def _end(token: int, exc: BaseException | None = None) -> None:
     how = _how(entry, exc)
     try:
         what, missing = describe(entry, rank)
-        absent = f"rank{'s' if len(missing) != 1 else ''} {', '.join(map(str, missing))} did not arrive" \
+        verb = "did not answer" if entry["peers"] is not None else "did not arrive"
+        absent = f"rank{'s' if len(missing) != 1 else ''} {', '.join(map(str, missing))} {verb}" \
             if missing else "every rank arrived"
     except Exception as exc:  # the store itself is gone (its host died): say what is known
         what, absent = f"{entry['name']} on {entry['group_name']}", f"the store did not answer ({exc})"

@@ -1,0 +1,75 @@
+"""adapter/training/liveness.py's tracking is made of patch-registry entries, registered when the flow starts
+watching: each with its target and reason, reverted with the rest. (Hangs themselves: tests/test_elastic.py.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.distributed import ROOT, _base_env
+
+_PROBE = """
+import json, torch, adapter
+from adapter.training import liveness
+from megatron.core.pipeline_parallel import p2p_communication as p2p
+before = (torch.distributed.all_reduce, torch.distributed.barrier, p2p._batched_p2p_ops, p2p._p2p_ops)
+untouched = adapter.registry.status("torch.distributed:all_reduce")
+liveness.watch(1)
+targets = ["torch.distributed:all_reduce", "torch.distributed:barrier",
+           "megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops",
+           "megatron.core.pipeline_parallel.p2p_communication:_p2p_ops"]
+reasons = {p.target: p.reason for p in adapter.registry.patches() if p.target in targets}
+watching = [adapter.registry.status(t) for t in targets]
+changed = (torch.distributed.all_reduce, torch.distributed.barrier, p2p._batched_p2p_ops, p2p._p2p_ops)
+adapter.revert()
+after = (torch.distributed.all_reduce, torch.distributed.barrier, p2p._batched_p2p_ops, p2p._p2p_ops)
+print(json.dumps({"untouched": untouched, "watching": watching, "reasons": reasons,
+                  "changed": [a is not b for a, b in zip(before, changed)],
+                  "restored": [a is b for a, b in zip(before, after)]}))
+"""
+
+
+def test_the_tracking_is_registry_patches_applied_on_watch_and_reverted():
+    done = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=_base_env({"ADAPTER_BACKEND": "cpu"}),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["untouched"] == "not for cpu"  # no patch of that target before the flow watches
+    assert seen["watching"] == ["applied"] * 4
+    assert len(seen["reasons"]) == 4 and all(r and "\n" not in r for r in seen["reasons"].values())
+    assert seen["changed"] == [True] * 4 and seen["restored"] == [True] * 4
+
+
+_QUEUED = """
+import sys, time, torch, adapter
+from adapter.training import liveness
+adapter.init_distributed()
+liveness.watch(0.02)
+liveness._queued[0] = True  # as on NCCL and HCCL: the call returns once the collective is queued
+if sys.argv[1] == "stalled":  # the device never runs it: a peer that does not come
+    liveness.device.Event = type("Never", (), {"record": lambda self: None, "query": lambda self: False})
+for _ in range(20):
+    torch.distributed.all_reduce(torch.ones(4))
+time.sleep(0.6 if sys.argv[1] == "runs" else 5)  # two looks of the watcher drop what is done
+print("in flight:", len(liveness._inflight), flush=True)
+"""
+
+
+def _queued(case: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _QUEUED, case], cwd=ROOT, capture_output=True, text=True,
+                          env=_base_env({"ADAPTER_BACKEND": "cpu"}), timeout=300)
+
+
+def test_a_collective_queued_on_the_device_is_tracked_until_the_device_ran_it():
+    done = _queued("runs")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("in flight: 0")
+
+
+def test_a_collective_queued_on_the_device_that_never_runs_ends_the_process_with_the_line():
+    done = _queued("stalled")
+    assert done.returncode == 1 and "in flight" not in done.stdout, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: rank 0: all_reduce on the world (ranks [0]) timed out after 1 s (--distributed-timeout-minutes "
+        "0.02): every rank arrived; ending this process")
