@@ -77,4 +77,4 @@ def _install(what: str, n: float | None) -> None:
 if __name__ == "__main__":
     for fault in _faults():
         _install(*fault)
-    sys.exit(pretrain_gpt.main())
+    pretrain_gpt.leave(pretrain_gpt.main())

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.distributed import ROOT, _base_env
 
 _PROBE = """
@@ -73,3 +75,26 @@ def test_a_collective_queued_on_the_device_that_never_runs_ends_the_process_with
     assert done.stderr.strip().splitlines()[-1] == (
         "error: rank 0: all_reduce on the world (ranks [0]) timed out after 1 s (--distributed-timeout-minutes "
         "0.02): every rank arrived; ending this process")
+
+
+_ON_A_GPU = """
+import time, torch, adapter
+from adapter.training import liveness
+adapter.init_distributed()
+liveness.watch(1)
+torch.cuda._sleep(int(2e9))  # the stream is busy for a second or so: the all-reduce is queued behind it
+torch.distributed.all_reduce(torch.ones(4, device="cuda"))
+queued = len(liveness._inflight)
+torch.cuda.synchronize()
+time.sleep(0.6)
+print("queued", queued, "after", len(liveness._inflight), flush=True)
+"""
+
+
+@pytest.mark.cuda
+def test_on_nccl_a_synchronous_collective_counts_until_the_gpu_has_run_it():
+    """The path the CPU tests drive with a stand-in event, with CUDA's own (.ci/gpu_check.sh's cuda_tests)."""
+    done = subprocess.run([sys.executable, "-c", _ON_A_GPU], cwd=ROOT, capture_output=True, text=True,
+                          env=_base_env({"ADAPTER_BACKEND": "cuda"}), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("queued 1 after 0")

@@ -153,7 +153,8 @@ class _Request:
         try:
             return self.work.wait(*args, **kwargs)
         except Exception as exc:
-            _end(self.token, exc)
+            if self.token in _inflight:  # not yet seen done by the watcher
+                _end(self.token, exc)
             raise
 
     def __getattr__(self, name: str):
@@ -164,7 +165,7 @@ def _on_device():
     """What a synchronous collective left to wait for: on NCCL and HCCL it returned once queued on the current
     stream, so an event recorded after it tells when the device has run it (a stalled peer: never); on gloo it
     is done when it returns (None)."""
-    if not _queued[0]:
+    if not _queued[0] or device.is_current_stream_capturing():  # a CUDA graph's collective runs at replay
         return None
     event = device.Event()
     event.record()
