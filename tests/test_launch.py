@@ -44,8 +44,8 @@ def _launch(worker: str, *flow_args: str, send=signal.SIGTERM, nproc: int = 2) -
     printed, ready = [], 0
     for line in launcher.stdout:
         printed.append(line)
-        ready += line.rstrip().endswith("ready")
-        if ready == nproc:
+        ready += line.count("ready")  # two workers' lines may interleave: "readyready"
+        if ready >= nproc:
             os.kill(launcher.pid, send)
             break
     try:

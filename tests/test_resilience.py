@@ -34,8 +34,8 @@ def _argv(*extra: str, lr: str = "3e-3", iters: int = 1000) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference() -> dict[int, float]:
-    """The uninterrupted curve, iterations 1-16."""
-    return logged_losses(run_ranks(2, run_pretrain, _argv("--exit-interval", "16")))
+    """The uninterrupted curve, iterations 1-24."""
+    return logged_losses(run_ranks(2, run_pretrain, _argv("--exit-interval", "24")))
 
 
 def _saved(directory) -> list[str]:
@@ -93,13 +93,17 @@ def test_plain_torchrun_saves_as_well_but_exits_1(tmp_path):
     assert output.rstrip().endswith("SignalException: Process " + str(pid) + " got signal: 15"), output[-4000:]
 
 
-def test_the_time_budget_saves_and_leaves_before_it_runs_out(tmp_path):
+def test_the_time_budget_saves_and_leaves_before_it_runs_out_and_the_next_launch_resumes_exactly(
+        reference, tmp_path):
     results = run_ranks(2, run_pretrain, _argv("--exit-duration-in-mins", "0.1", "--save", str(tmp_path)))
     iteration = results[0]["iteration"]
-    assert 1 <= iteration < 1000 and [r["iteration"] for r in results] == [iteration, iteration]
+    assert 1 <= iteration <= 21 and [r["iteration"] for r in results] == [iteration, iteration]
     assert results[0]["stopped"].startswith("another iteration would end 0.")
     assert results[0]["stopped"].endswith("minutes after the launch, past --exit-duration-in-mins 0.1")
     assert _saved(tmp_path) == [checkpoint_dir.checkpoint_name(iteration), checkpoint_dir.TRACKER]
+    resumed = logged_losses(run_ranks(2, run_pretrain, _argv("--load", str(tmp_path), "--exit-interval",
+                                                             str(iteration + 3))))
+    assert resumed == {i: reference[i] for i in range(iteration + 1, iteration + 4)}
 
 
 NAN_LINES = {

@@ -176,6 +176,8 @@ def _future(work):
     """The work's future (``done()``, ``value()`` raising its error: Work's own ``is_success`` and
     ``exception`` warn that they are deprecated), or, where a backend has none, a stand-in that is done
     once the work is completed."""
+    if isinstance(work, torch.distributed.distributed_c10d._IllegalWork):  # inside a coalescing manager: the
+        return None  # manager issues the collectives later, as one
     try:
         return work.get_future()
     except RuntimeError:
