@@ -22,6 +22,8 @@ no initial or final state.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -112,14 +114,36 @@ def _chunks(t: torch.Tensor, length: int) -> torch.Tensor:
     return t.reshape(*t.shape[:2], length // CHUNK, CHUNK, *t.shape[3:])
 
 
+class _PairwiseDecay(torch.autograd.Function):
+    """D [.., C, C] from G [.., C]: D_ij = exp(G_i - G_j) for j <= i, 0 above the diagonal, made in place in
+    one buffer, its gradient one product (dD_ij/dG_i = D_ij = -dD_ij/dG_j). A decay below the dtype's
+    smallest normal number comes out at about that number: on the CPU, torch's vectorised exp takes a scalar
+    path, ten times slower, wherever its result would be subnormal or zero, and most of a chunk's decays are
+    (a few tokens of decay reach e^-87, float32's limit); the values so raised are below 2e-38 in float32,
+    1e-307 in float64, as are their gradients."""
+
+    @staticmethod
+    def forward(ctx, log_decay):
+        floor = math.log(torch.finfo(log_decay.dtype).tiny) + 0.5
+        upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=log_decay.device).triu(1)
+        decay = (log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)).clamp_(floor, 0.0).exp_().masked_fill_(upper, 0)
+        ctx.save_for_backward(decay)
+        return decay
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        grad = grad * ctx.saved_tensors[0]
+        return grad.sum(-1) - grad.sum(-2)
+
+
 def _chunked(q, k, v, g, beta, scale, qk_l2norm):
     dtype, seq = v.dtype, v.shape[1]
     q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale, qk_l2norm)
     length = -(-seq // CHUNK) * CHUNK
     q, k, v, g, beta = (_chunks(t, length) for t in (q, k, v, g, beta))
     log_decay = g.cumsum(-1)  # G_i, from each chunk's start
-    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    decay = (log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # D
+    decay = _PairwiseDecay.apply(log_decay)  # D
     growth = log_decay.exp().unsqueeze(-1)  # exp(G)
     k_beta = k * beta.unsqueeze(-1)
     # I + A, A strictly below the diagonal: the solve reads no more (unit diagonal), and its gradient with
