@@ -96,7 +96,8 @@ def _heads_first(q, k, v, g, beta, scale, qk_l2norm):
     if heads % k.shape[2]:
         raise UnsupportedKernelSetting(f"{v.shape[2]} value heads over {k.shape[2]} key heads: the value heads "
                                        "must be a multiple of the query/key heads")
-    q, k = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (q, k))
+    if heads != k.shape[2]:  # megatron's layer repeats them itself; a repeat by 1 would copy
+        q, k = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (q, k))
     precision = torch.promote_types(v.dtype, torch.float32)
     q, k, v, g, beta = (t.transpose(1, 2).to(precision, memory_format=torch.contiguous_format)
                         for t in (q, k, v, g, beta))
