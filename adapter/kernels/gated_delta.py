@@ -117,15 +117,17 @@ def _chunks(t: torch.Tensor, length: int) -> torch.Tensor:
 
 class _PairwiseDecay(torch.autograd.Function):
     """D [.., C, C] from G [.., C]: D_ij = exp(G_i - G_j) for j <= i, 0 above the diagonal, made in place in
-    one buffer, its gradient one product (dD_ij/dG_i = D_ij = -dD_ij/dG_j). A decay below the dtype's
-    smallest normal number comes out at about that number: on the CPU, torch's vectorised exp takes a scalar
-    path, ten times slower, wherever its result would be subnormal or zero, and most of a chunk's decays are
-    (a few tokens of decay reach e^-87, float32's limit); the values so raised are below 2e-38 in float32,
-    1e-307 in float64, as are their gradients."""
+    one buffer, its gradient one product (dD_ij/dG_i = D_ij = -dD_ij/dG_j). A decay below the square root
+    of the dtype's smallest normal number (1e-19 in float32) comes out at that root: most of a chunk's decays
+    are far smaller (a few tokens of decay reach e^-87), and on the CPU torch's vectorised exp takes a scalar
+    path, ten times slower, wherever its result would be subnormal, and a product with a subnormal operand or
+    result is slow too; at the root, the decays and their products with the other factors stay normal. The
+    values so raised are below 1e-19 (1e-154 in float64), far under the rounding of the sums they enter, as
+    are their gradients."""
 
     @staticmethod
     def forward(ctx, log_decay):
-        floor = math.log(torch.finfo(log_decay.dtype).tiny) + 0.5
+        floor = math.log(torch.finfo(log_decay.dtype).tiny) / 2
         upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=log_decay.device).triu(1)
         decay = (log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)).clamp_(floor, 0.0).exp_().masked_fill_(upper, 0)
         ctx.save_for_backward(decay)
