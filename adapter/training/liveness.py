@@ -131,8 +131,7 @@ def _tracked_p2p(fn):
             raise
         works = list(requests.values() if isinstance(requests, dict) else requests)
         with _lock:
-            _inflight[token]["work"] = types.SimpleNamespace(done=lambda: all(w.is_completed() for w in works),
-                                                             value=lambda: None)
+            _inflight[token]["work"] = _done_when(lambda: all(w.is_completed() for w in works))
         if isinstance(requests, dict):
             return {key: _Request(work, token) for key, work in requests.items()}
         return [_Request(work, token) for work in requests]
@@ -169,7 +168,7 @@ def _on_device():
         return None
     event = device.Event()
     event.record()
-    return types.SimpleNamespace(done=event.query, value=lambda: None)
+    return _done_when(event.query)
 
 
 def _future(work):
@@ -181,7 +180,13 @@ def _future(work):
     try:
         return work.get_future()
     except RuntimeError:
-        return types.SimpleNamespace(done=work.is_completed, value=lambda: None)
+        return _done_when(work.is_completed)
+
+
+def _done_when(done):
+    """A stand-in for a future that is done once ``done()`` says so and carries no error (what the watcher
+    reads of an entry's work)."""
+    return types.SimpleNamespace(done=done, value=lambda: None)
 
 
 def _enter(name: str, group, peers: list[int] | None = None) -> int:
