@@ -30,7 +30,8 @@
 # Wheels the machine lacks (megatron-core's cp312 wheel, liger-kernel's; for the hybrid step
 # flash-linear-attention and fla-core, and transformers >= 5.23 with the huggingface-hub, tokenizers, safetensors
 # and regex it requires: docs/CI.md) in .whl/ are installed first, into /tmp/site and, for Liger,
-# /tmp/site-liger (so that a step can leave it off); see shared/reference/gpu.md.
+# /tmp/site-liger (so that a step can leave it off), for flash-linear-attention /tmp/site-fla (the hybrid step's
+# only, on a GPU); see shared/reference/gpu.md. .whl/ is git-ignored: the device call carries it.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -43,15 +44,23 @@ mkdir -p "$LOG_DIR/profiles"
 : >"$LOG_DIR/summary.txt"
 export PYTHONUNBUFFERED=1
 
+install_wheels() {  # install_wheels TARGET WHEEL...: into TARGET, when there are any
+    local target=$1
+    shift
+    [[ -e "${1:-}" ]] && "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$target" "$@"
+}
 if compgen -G ".whl/*.whl" >/dev/null; then
-    liger=(.whl/liger_kernel*.whl)
-    others=($(ls .whl/*.whl | grep -v '/liger_kernel'))
-    { ((${#others[@]})) && "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${others[@]}"
-      [[ -e "${liger[0]}" ]] && "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-liger \
-          "${liger[@]}"; } >"$LOG_DIR/wheels.log" 2>&1
+    # Liger apart so that a step can leave it off; flash-linear-attention apart because transformers' Qwen3.5
+    # calls its Triton kernels, which take CUDA tensors only, wherever it is importable: the hybrid step on a
+    # GPU gets it, and the CPU tests and the dry run do not.
+    { install_wheels /tmp/site $(ls .whl/*.whl | grep -v -e '/liger_kernel' -e '/fla_core' -e '/flash_linear_attention')
+      install_wheels /tmp/site-liger .whl/liger_kernel*.whl
+      install_wheels /tmp/site-fla .whl/fla_core*.whl .whl/flash_linear_attention*.whl; } >"$LOG_DIR/wheels.log" 2>&1
 fi
 BASE_PATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONPATH="$BASE_PATH:/tmp/site-liger"
+FLA_PATH=$PYTHONPATH
+[[ $DEVICE == cuda ]] && FLA_PATH="$PYTHONPATH:/tmp/site-fla"
 
 step() {  # step NAME LIMIT [VAR=VALUE...] COMMAND...: run with min(LIMIT, time left), log it, note status and
           # time; COMMAND may be one of the functions below (exported), VAR=VALUE its environment
@@ -118,7 +127,7 @@ for check in $CHECKS; do
         cuda_tests) step cuda_tests 180 cuda_tests liger -m cuda tests ;;
         cuda_kernels) step cuda_kernels 90 cuda_tests kernels tests/test_cuda_provider_kernels.py ;;
         dense) step dense 240 dense "$LOG_DIR/dense.json" "${DENSE_SMALL[@]}" ;;
-        hybrid) step hybrid 200 hybrid "$LOG_DIR/dense-hybrid.json" "${HYBRID[@]}" ;;
+        hybrid) step hybrid 200 PYTHONPATH="$FLA_PATH" hybrid "$LOG_DIR/dense-hybrid.json" "${HYBRID[@]}" ;;
         moe_large) step moe_large 200 moe "$LOG_DIR/moe-qwen3-30b-a3b.json" "${MOE_LARGE[@]}" ;;
         startup) step startup 90 "$PYTHON" bench/startup.py --device "$DEVICE" --rounds 1 --markdown \
             --json "$LOG_DIR/startup.json" ;;
