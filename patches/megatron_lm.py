@@ -11,13 +11,14 @@ report shows them as skipped). ``python -m adapter.run`` is the launcher (README
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import importlib.util
 import os
 
 import torch
 
-from adapter import backend, stand_ins
+from adapter import backend, elastic, stand_ins
 
 OFF_CUDA = ("cpu", "npu")
 _T = "megatron.training."
@@ -173,6 +174,27 @@ def class_types_only(register_hooks):
     return register
 
 
+def generation_store_under_torchrun(initialize_distributed):
+    """megatron.training's ``_initialize_distributed`` given a store of this generation's own where torchrun's
+    agent hosts the store (``adapter.elastic``), as ``adapter.init_distributed`` does for the flow. Left to
+    itself it meets in the agent's store, which keeps a dead generation's addresses across a restart, and
+    every restart under ``--max-restarts`` fails with ``Connection refused``. A store the caller gives (Megatron-LM's
+    in-process restart) and ``--fake-process-group`` stay as they are."""
+
+    @functools.wraps(initialize_distributed)
+    def initialize(get_embedding_ranks, get_position_embedding_ranks, store=None, *args, **kwargs):
+        from megatron.training.global_vars import get_args
+
+        megatron_args = get_args()
+        if (store is None and elastic.shares_agent_store() and not torch.distributed.is_initialized()
+                and not getattr(megatron_args, "fake_process_group", False)):
+            timeout = datetime.timedelta(minutes=megatron_args.distributed_timeout_minutes)
+            store, _, _ = elastic.generation_store(timeout)
+        return initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, store, *args, **kwargs)
+
+    return initialize
+
+
 def register(registry, versions: str) -> None:
     registry.wrap(f"{_T}arguments:validate_args", backend_collectives, versions=versions, backends=OFF_CUDA,
                   reason="--distributed-backend defaults to nccl and cannot say hccl")
@@ -180,6 +202,8 @@ def register(registry, versions: str) -> None:
                   backends=OFF_CUDA, reason="TP/CP > 1 asserts CUDA_DEVICE_MAX_CONNECTIONS=1, meaningless off CUDA")
     registry.wrap(f"{_T}arguments:validate_args", no_gradient_accumulation_fusion_without_apex,
                   versions=versions, reason="gradient-accumulation fusion defaults on and needs apex's CUDA extension")
+    registry.wrap(f"{_T}initialize:_initialize_distributed", generation_store_under_torchrun, versions=versions,
+                  reason="torchrun's store keeps a dead generation's addresses: a restart meets under its own prefix")
     registry.wrap(f"{_T}training:build_train_valid_test_data_iterators", rng_untouched_by_data_iterators,
                   versions=versions, backends=("cpu",),
                   reason="DataLoader seeding draws from the CPU generator, which is dropout's on cpu (resume)")
