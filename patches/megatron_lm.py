@@ -177,9 +177,10 @@ def class_types_only(register_hooks):
 def generation_store_under_torchrun(initialize_distributed):
     """megatron.training's ``_initialize_distributed`` given a store of this generation's own where torchrun's
     agent hosts the store (``adapter.elastic``), as ``adapter.init_distributed`` does for the flow. Left to
-    itself it meets in the agent's store, which keeps a dead generation's addresses across a restart, and
-    every restart under ``--max-restarts`` fails with ``Connection refused``. A store the caller gives (Megatron-LM's
-    in-process restart) and ``--fake-process-group`` stay as they are."""
+    itself it meets in the agent's store, which keeps a dead generation's addresses across a restart: a rank
+    of the restart that reads those before its peers overwrite them fails in gloo's ``Connection refused``
+    (3 restarts in 5 in tests/test_megatron_lm.py). A store the caller gives (Megatron-LM's in-process
+    restart) and ``--fake-process-group`` stay as they are."""
 
     @functools.wraps(initialize_distributed)
     def initialize(get_embedding_ranks, get_position_embedding_ranks, store=None, *args, **kwargs):
