@@ -207,9 +207,11 @@ def _result(rate: float, clock) -> dict:
 
 
 def run_flow(iters: int, warmup: int, profile: str | None) -> dict:
-    """tokens/s of the pretrain flow over ``iters`` iterations after ``warmup`` (its own log's rates); with
-    ``profile``, a torch.profiler table of the measured iterations there (bench/gpu_train.py's clock) and
-    each op's calls per step (the flow's whole loop between steps included)."""
+    """tokens/s of the pretrain flow over ``iters`` iterations after ``warmup``, each timed around its
+    ``train_step`` between device syncs as transformers' step is (bench/gpu_train.py's clock: data,
+    forward, backward and the optimizer step; not the log line the loop writes between steps, which
+    transformers' side has no counterpart of). With ``profile``, a torch.profiler table of the measured
+    iterations there and each op's calls per step (the flow's whole loop between steps included)."""
     import adapter  # noqa: F401 - before megatron
     from megatron.core.enums import ModelType
 
@@ -222,11 +224,9 @@ def run_flow(iters: int, warmup: int, profile: str | None) -> dict:
     clock = StepClock(_device().type, warmup, profile)
     flow.train_step = clock(flow.train_step)
     batch_seconds = _timed_batches(gpt_step)
-    history = clock.around(lambda: flow.pretrain(train_valid_test_datasets_provider, model_provider,
-                                                 ModelType.encoder_or_decoder, forward_step,
-                                                 argv=_flow_argv(iters, warmup)))
-    measured = [entry["tokens_per_second"] for entry in history["train"] if entry["iteration"] > warmup]
-    return {**_result(len(measured) / sum(1 / rate for rate in measured), clock),
+    clock.around(lambda: flow.pretrain(train_valid_test_datasets_provider, model_provider,
+                                       ModelType.encoder_or_decoder, forward_step, argv=_flow_argv(iters, warmup)))
+    return {**_result(MOE["micro_batch"] * MOE["seq_length"] * len(clock.seconds) / sum(clock.seconds), clock),
             "batch_ms": 1e3 * sum(batch_seconds[warmup:]) / max(len(batch_seconds) - warmup, 1)}
 
 
