@@ -30,10 +30,10 @@ def _gloo_threads() -> int:
     return names.count("pt_gloo_runloop")
 
 
-def train_counting_gloo_threads(real_collectives: bool, save: str) -> dict:
-    """The flow at one rank with the distributed optimizer and a save at step 3; ``real_collectives``: every
-    one-rank collective goes to gloo (the reference). Two intra-op threads, whatever the machine has: a
-    team needs two."""
+def train_counting_gloo_threads(real_collectives: bool, save: str, extra: list[str]) -> dict:
+    """The flow at one rank with the distributed optimizer and a save at step 3, given ``extra`` arguments;
+    ``real_collectives``: every one-rank collective goes to gloo (the reference). Two intra-op threads,
+    whatever the machine has: a team needs two."""
     import torch
 
     import patches.one_rank_collectives as one_rank
@@ -51,13 +51,18 @@ def train_counting_gloo_threads(real_collectives: bool, save: str) -> dict:
         return train_step(*args, **kwargs)
 
     flow.train_step = step
-    losses = logged_losses([run_pretrain([*_ARGV, "--save", save])])
+    losses = logged_losses([run_pretrain([*_ARGV, "--save", save, *extra])])
     return {"losses": losses, "started": _gloo_threads() - counted[0]}
 
 
-def test_one_rank_distributed_optimizer_keeps_gloo_threads_idle_and_the_curve_exact(tmp_path):
-    [mine] = run_ranks(1, train_counting_gloo_threads, False, str(tmp_path / "mine"))
-    [gloo] = run_ranks(1, train_counting_gloo_threads, True, str(tmp_path / "gloo"))
+# overlapped: the bucket collectives asynchronous, the parameter gather waited for in the next forward
+_OVERLAPPED = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
+
+
+@pytest.mark.parametrize("extra", [[], _OVERLAPPED], ids=["synchronous", "overlapped"])
+def test_one_rank_distributed_optimizer_keeps_gloo_threads_idle_and_the_curve_exact(tmp_path, extra):
+    [mine] = run_ranks(1, train_counting_gloo_threads, False, str(tmp_path / "mine"), extra)
+    [gloo] = run_ranks(1, train_counting_gloo_threads, True, str(tmp_path / "gloo"), extra)
     assert mine["losses"] == gloo["losses"] and len(mine["losses"]) == 6
     assert gloo["started"] > 0, "gloo's collectives no longer start threads: the patch may be unneeded"
     assert mine["started"] == 0
