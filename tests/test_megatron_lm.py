@@ -131,6 +131,7 @@ def test_a_rank_lost_at_start_up_is_restarted_by_torchrun_and_the_run_finishes(t
                         "1000", "--eval-iters", "0", "--eval-interval", "4", "--tensor-model-parallel-size", "2"]
     log = _run(tmp_path, "restarted", 2, args,
                launch=("--max-restarts", "1", str(ROOT / "tests" / "megatron_lm_restart.py")))
+    assert "(exitcode: -9) local_rank: 1" in log  # the first generation lost rank 1, as placed
     assert "Connection refused" not in log
     assert sorted(_losses(log)) == [1, 2, 3, 4], log[-3000:]
 
