@@ -18,7 +18,7 @@ import functools
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .gloo_collectives import _Done
+from .gloo_collectives import _Done, runs_under
 
 _BUFFERS = "megatron.core.distributed.param_and_grad_buffer"
 _DISTRIB = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
@@ -70,22 +70,11 @@ class OneRankGathers(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def gathers_one_rank_here(fn):
-    """``fn`` run under ``OneRankGathers``."""
-
-    @functools.wraps(fn)
-    def gathering(*args, **kwargs):
-        with OneRankGathers():
-            return fn(*args, **kwargs)
-
-    return gathering
-
-
 def register(registry, versions: str) -> None:
     reason = ("on one rank it changes nothing, and gloo's copies on its worker thread leave libgomp throttling "
               "the training thread's OpenMP waits")
     for name in ("dist_reduce_scatter_func", "dist_all_gather_func"):
         registry.wrap(f"{_BUFFERS}:{name}", skips_one_rank_in_place, versions=versions, backends=("cpu",),
                       rebind_copies=False, reason=f"the distributed optimizer's per-step bucket collective: {reason}")
-    registry.wrap(f"{_DISTRIB}.get_parameter_state_dp_zero", gathers_one_rank_here, versions=versions,
+    registry.wrap(f"{_DISTRIB}.get_parameter_state_dp_zero", runs_under(OneRankGathers), versions=versions,
                   backends=("cpu",), reason=f"the distributed optimizer's gather of its state at a save: {reason}")
