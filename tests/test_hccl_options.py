@@ -147,11 +147,15 @@ def groups_with_hccl_options(config: dict, tp: int, pp: int) -> dict:
     import yaml
 
     import adapter
+    from adapter import one_rank_groups
     from megatron.core import parallel_state as ps
 
     adapter.init_distributed()
     assert adapter.current_backend().name == "cpu"
     ps.get_nccl_options = adapter.parallel.hccl_group_options  # what the registry does on npu
+    # on npu these groups are HCCL's, which stay theirs at one rank too; gloo's stand-in here would make its
+    # one-rank groups (data parallel at this layout) the adapter's (adapter/one_rank_groups.py)
+    one_rank_groups.answers_here = lambda ranks, backend: False
     calls = []
     real_new_group = torch.distributed.new_group
 
