@@ -70,6 +70,12 @@ def _unchanged(op) -> None:
                            "Scale the tensor first and use ReduceOp.SUM.")
 
 
+def _copied(outputs, sources) -> _Done:
+    for output, source in zip(outputs, sources):
+        _copy(output, source)
+    return _Done(outputs)
+
+
 class OneRankGroup(ProcessGroup):
     """A gloo group's stand-in where the group is one rank: each collective runs here, now, as gloo's
     would have come out (the tests compare them call by call)."""
@@ -113,8 +119,7 @@ class OneRankGroup(ProcessGroup):
         return None
 
     def allgather(self, output_lists, inputs, opts=None):
-        for outputs, source in zip(output_lists, inputs):
-            _copy(outputs[0], source)
+        _copied([outputs[0] for outputs in output_lists], inputs)
         return _Done(output_lists)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
@@ -125,9 +130,7 @@ class OneRankGroup(ProcessGroup):
         return _Done([output])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        for output, source in zip(outputs, inputs):
-            _copy(output, source)
-        return _Done(outputs)
+        return _copied(outputs, inputs)
 
     def gather(self, output_lists, inputs, opts=None):
         if output_lists:  # the root's list; gather_object passes its own
@@ -141,9 +144,7 @@ class OneRankGroup(ProcessGroup):
 
     def reduce_scatter(self, outputs, input_lists, opts):
         _unchanged(opts.reduceOp)
-        for output, sources in zip(outputs, input_lists):
-            _copy(output, sources[0])
-        return _Done(outputs)
+        return _copied(outputs, [sources[0] for sources in input_lists])
 
     def reduce_scatter_single(self, output, source, opts):  # reduce_scatter_tensor
         _unchanged(opts.reduceOp)
@@ -152,18 +153,14 @@ class OneRankGroup(ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         _unchanged(opts.reduceOp)
-        for output, source in zip(outputs, inputs):
-            _copy(output, source)
-        return _Done(outputs)
+        return _copied(outputs, inputs)
 
     def all_to_all_single(self, output, source, output_split_sizes, input_split_sizes, opts=None):
         _copy(output, source)
         return _Done([output])
 
     def alltoall(self, outputs, inputs, opts=None):
-        for output, source in zip(outputs, inputs):
-            _copy(output, source)
-        return _Done(outputs)
+        return _copied(outputs, inputs)
 
     # the names earlier torch releases call these by (torch_npu pins its torch, often an older one)
     _allgather_base, allgather_into_tensor_coalesced = all_gather_single, all_gather_single_coalesced
