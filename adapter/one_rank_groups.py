@@ -5,7 +5,7 @@ and an all-gather, gather, scatter, reduce-scatter or all-to-all copies the inpu
 builds its whole layout of groups at any size, so a run at tensor-parallel size 1 still makes three one-rank
 all-reduces a step in the vocab-parallel cross entropy, and one rank alone makes one in every group it uses.
 ``ProcessGroupGloo`` hands each to its worker thread and waits for it: 50 us and more per call at any size
-(3 us here), and the copies it makes there start OpenMP teams of their own, after which libgomp throttles
+(4 us here), and the copies it makes there start OpenMP teams of their own, after which libgomp throttles
 the training thread's parallel regions (docs/PERFORMANCE.md, "The distributed optimizer on a small
 model"). NCCL and HCCL groups keep their library: their collectives are stream-ordered device work, and a
 one-rank communicator there costs a launch, not a thread hand-over.
