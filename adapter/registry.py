@@ -125,12 +125,9 @@ class PatchRegistry:
                              optional, rebind_copies))
 
     def wrap(self, target: str, wrapper: Callable[[Any], Any], *, reason: str, versions: str,
-             backends: Iterable[str] = ALL_BACKENDS, optional: bool = False, rebind_copies: bool = True) -> None:
-        """Register ``wrapper(fn) -> fn`` around ``target`` (around its replacement, if there is one).
-        ``rebind_copies=False`` for a target that is itself a copy of a function others hold too (a module's
-        alias of a torch function): the wrapper then stays at the target."""
-        self._register(Patch(target, wrapper, reason, "wrap", frozenset(backends), versions, optional,
-                             rebind_copies))
+             backends: Iterable[str] = ALL_BACKENDS, optional: bool = False) -> None:
+        """Register ``wrapper(fn) -> fn`` around ``target`` (around its replacement, if there is one)."""
+        self._register(Patch(target, wrapper, reason, "wrap", frozenset(backends), versions, optional))
 
     def bind(self, target: str, value: Any, *, reason: str, versions: str,
              backends: Iterable[str] = ALL_BACKENDS) -> None:

@@ -80,23 +80,15 @@ class AnySizeAllGather(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def runs_under(mode):
-    """A registry wrapper: ``fn`` run under a fresh ``mode()`` (a TorchFunctionMode that answers the few
-    collectives it knows and passes every other torch call through). For set-up, checkpoint-time and
-    once-per-step functions only: every torch call inside pays the mode."""
+def gathers_any_sizes(fn):
+    """``fn`` run under ``AnySizeAllGather``: the registry's wrapper for megatron's uneven gathers."""
 
-    def wrapper(fn):
-        @functools.wraps(fn)
-        def under_mode(*args, **kwargs):
-            with mode():
-                return fn(*args, **kwargs)
+    @functools.wraps(fn)
+    def gathering(*args, **kwargs):
+        with AnySizeAllGather():
+            return fn(*args, **kwargs)
 
-        return under_mode
-
-    return wrapper
-
-
-gathers_any_sizes = runs_under(AnySizeAllGather)  # the registry's wrapper for megatron's uneven gathers
+    return gathering
 
 
 def layer_wise_param_sync_gathers_any_sizes(start_param_sync):

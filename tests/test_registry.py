@@ -225,22 +225,6 @@ def test_by_value_copies_are_rebound_on_apply_and_restored_on_revert(pkg, make_r
     assert user.call_f(2) == ("f", 2)
 
 
-def test_a_wrap_that_does_not_rebind_copies_stays_at_its_target(pkg, make_registry):
-    """A module's alias of a function others hold too (megatron's ``dist_reduce_scatter_func``): the wrapper
-    goes on the alias only, and revert puts the alias back."""
-    user = imp(pkg, "user")
-    target = imp(pkg, "target")
-    orig_f = target.f
-    reg = make_registry()
-    reg.wrap(f"{pkg}.target:f", tracing_wrapper("w", [], []), reason="r", versions=CHECKED, rebind_copies=False)
-    reg.apply()
-
-    assert target.f is not orig_f and target.f.__wrapped__ is orig_f
-    assert user.f is orig_f and user.renamed_f is orig_f
-    reg.revert()
-    assert target.f is orig_f
-
-
 def test_copy_rebinding_leaves_unrelated_equal_immutables_alone(pkg, make_registry):
     """Small ints and None are shared objects: an unrelated global that equals the target is no copy."""
     user = imp(pkg, "user")
