@@ -80,23 +80,17 @@ def flow_child(steps: int, gloo_groups: bool) -> float:
     from adapter.training import pretrain as flow
     from adapter.training.data import train_valid_test_datasets_provider
     from adapter.training.gpt_step import forward_step, model_provider
+    from bench.gpu_train import StepClock
     from megatron.core.enums import ModelType
 
     if gloo_groups:
         one_rank_groups.answers_here = lambda ranks, backend: False
-    seconds, train_step = [], flow.train_step
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        result = train_step(*args, **kwargs)
-        seconds.append(time.perf_counter() - start)
-        return result
-
-    flow.train_step = timed
+    clock = StepClock("cpu", 10, None)
+    flow.train_step = clock(flow.train_step)
     argv = moe._flow_argv(steps, 10) + ["--log-interval", str(steps + 10)]
     flow.pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
                   argv=argv)
-    return 1e3 * statistics.median(seconds[10:])
+    return 1e3 * statistics.median(clock.seconds)
 
 
 def bench_flow(rounds: int, steps: int) -> dict:
