@@ -13,6 +13,10 @@ quarter of the timeout records in the store that it arrived, so the one line eac
 collective, its group, its ranks and those that never arrived (for a send or receive: its peers). Under
 torchrun ``--max-restarts`` the group then restarts from the newest checkpoint.
 
+The watch ends with the groups it watches: the default group's ``destroy_process_group`` (the flow's exit,
+scripts/pretrain_gpt.py's ``leave``) first stops the watcher, after the look it may be in, so no look ever
+reads a torn-down group (a work's result, the store, the rank), and nothing in flight then is judged.
+
 Stragglers. Every log interval the ranks gather each one's mean time per iteration spent outside the
 collectives it waited in (the time the others wait for it); rank 0 names a rank whose time was more than
 ``STRAGGLER_RATIO`` times the median of the others' (and ``STRAGGLER_MIN_EXCESS_S`` more) for
@@ -59,6 +63,8 @@ _group_names: dict = {}  # process group -> its name (groups live as long as the
 _waited = [0.0]  # seconds this rank spent inside synchronous collectives
 _timeout_minutes = [0.0]
 _watcher: list[threading.Thread] = []
+_looking = threading.Lock()  # held by the watcher through each look, by ``stop`` to wait for one to end
+_stopped = [threading.Event()]  # set when the watch ends (the current watcher's)
 _queued = [False]  # NCCL / HCCL: a collective called without async_op returns once queued on the device
 
 
@@ -68,16 +74,49 @@ def watch(timeout_minutes: float) -> None:
     if _watcher:
         return
     _queued[0] = backend.current().is_accelerator
-    reason = "a collective a stalled rank never joins ends the job within the timeout, named (training.liveness)"
-    for name in COLLECTIVES:
-        if hasattr(torch.distributed, name):
-            adapter.registry.wrap(f"torch.distributed:{name}", functools.partial(_tracked, name=name),
-                                  reason=reason, versions=adapter.registry.supported)
-    for name in _P2P_FUNCTIONS:
-        adapter.registry.wrap(f"{_P2P}:{name}", _tracked_p2p, versions=adapter.registry.supported,
-                              reason="a pipeline send or receive a stalled stage never answers ends the job, named")
-    _watcher.append(threading.Thread(target=_watch, args=(timeout_minutes,), daemon=True, name="adapter-liveness"))
+    if adapter.registry.status("torch.distributed:destroy_process_group") != "applied":  # a watch after a stop
+        reason = "a collective a stalled rank never joins ends the job within the timeout, named (training.liveness)"
+        for name in COLLECTIVES:
+            if hasattr(torch.distributed, name):
+                adapter.registry.wrap(f"torch.distributed:{name}", functools.partial(_tracked, name=name),
+                                      reason=reason, versions=adapter.registry.supported)
+        for name in _P2P_FUNCTIONS:
+            adapter.registry.wrap(f"{_P2P}:{name}", _tracked_p2p, versions=adapter.registry.supported,
+                                  reason="a pipeline send or receive a stalled stage never answers ends the job, named")
+        adapter.registry.wrap("torch.distributed:destroy_process_group", _stopping_first,
+                              versions=adapter.registry.supported,
+                              reason="the hang watcher's watch ends before the groups it watches are torn down")
+    _stopped[0] = threading.Event()
+    _watcher.append(threading.Thread(target=_watch, args=(timeout_minutes, _stopped[0]), daemon=True,
+                                     name="adapter-liveness"))
     _watcher[0].start()
+
+
+def stop() -> None:
+    """End the watch: wait for the look the watcher may be in (the groups still stand), stop it, and forget
+    what was in flight (the run is over; nothing left is a hang). A later ``watch`` starts a new one."""
+    if not _watcher:
+        return
+    _stopped[0].set()
+    with _looking:
+        pass
+    if _watcher[0] is not threading.current_thread():
+        _watcher[0].join()
+    _watcher.clear()
+    with _lock:
+        _inflight.clear()
+
+
+def _stopping_first(destroy):
+    """``destroy_process_group``: of the default group (no argument, or the world), after the watch ended."""
+
+    @functools.wraps(destroy)
+    def destroy_watched(group=None, *args, **kwargs):
+        if group is None or group is torch.distributed.group.WORLD:
+            stop()
+        return destroy(group, *args, **kwargs)
+
+    return destroy_watched
 
 
 def _tracked(fn, name: str):
@@ -108,6 +147,8 @@ def _tracked(fn, name: str):
                 _inflight[token]["work"] = pending
             else:
                 _inflight.pop(token, None)
+        if getattr(pending, "done_on_wait", False):
+            return _Request(work, token, done_on_wait=True)
         return work
 
     return call
@@ -141,20 +182,25 @@ def _tracked_p2p(fn):
 
 class _Request:
     """A pipeline request (megatron only calls its ``wait()``) whose failing wait ends the process with the
-    line, as a tracked collective's failure does."""
+    line, as a tracked collective's failure does. ``done_on_wait``: the request is the whole entry, and a wait
+    that returned completes it (a work without a future, whose ``is_completed`` may never say so)."""
 
-    __slots__ = ("work", "token")
+    __slots__ = ("work", "token", "done_on_wait")
 
-    def __init__(self, work, token: int):
-        self.work, self.token = work, token
+    def __init__(self, work, token: int, done_on_wait: bool = False):
+        self.work, self.token, self.done_on_wait = work, token, done_on_wait
 
     def wait(self, *args, **kwargs):
         try:
-            return self.work.wait(*args, **kwargs)
+            result = self.work.wait(*args, **kwargs)
         except Exception as exc:
             if self.token in _inflight:  # not yet seen done by the watcher
                 _end(self.token, exc)
             raise
+        if self.done_on_wait:
+            with _lock:
+                _inflight.pop(self.token, None)
+        return result
 
     def __getattr__(self, name: str):
         return getattr(self.work, name)
@@ -174,13 +220,17 @@ def _on_device():
 def _future(work):
     """The work's future (``done()``, ``value()`` raising its error: Work's own ``is_success`` and
     ``exception`` warn that they are deprecated), or, where a backend has none, a stand-in that is done
-    once the work is completed."""
+    once the work is completed or waited on (``done_on_wait``). Without the wait, entries of gloo's
+    reduce_scatter_tensor (sequence parallelism's, every micro-batch) stayed in flight for good: the watcher
+    ended a healthy run of more than ``--distributed-timeout-minutes`` as timed out."""
     if isinstance(work, torch.distributed.distributed_c10d._IllegalWork):  # inside a coalescing manager: the
         return None  # manager issues the collectives later, as one
     try:
         return work.get_future()
-    except RuntimeError:
-        return _done_when(work.is_completed)
+    except RuntimeError:  # gloo's reduce_scatter_tensor (torch 2.13), whose is_completed stays False once
+        pending = _done_when(work.is_completed)  # waited on: the wait of the request handed back completes it
+        pending.done_on_wait = True
+        return pending
 
 
 def _done_when(done):
@@ -200,31 +250,38 @@ def _enter(name: str, group, peers: list[int] | None = None) -> int:
     return token
 
 
-def _watch(timeout_minutes: float) -> None:
-    """The watcher's loop. It ends a collective two looks before the timeout: the process group's own timeout
-    (the same minutes, counted from a moment after the entry's start) raises inside a ``wait()`` on an
-    asynchronous one, which no wrapper sees, and would otherwise end the process with a traceback first."""
+def _watch(timeout_minutes: float, stopped: threading.Event) -> None:
+    """The watcher's loop: a look every ``_POLL`` seconds until ``stop``; a look that has begun ends before
+    the groups are torn down (``_looking``)."""
     _timeout_minutes[0] = timeout_minutes
-    timeout = _deadline()
-    while True:
-        time.sleep(_POLL)
-        now = time.monotonic()
-        with _lock:
-            entries = list(_inflight.items())
-        for token, entry in entries:
-            work = entry["work"]
-            if work is not None and work.done():
-                try:
-                    work.value()
-                except Exception as exc:  # noqa: BLE001 - whatever failed it, the collective failed
-                    _end(token, exc)
-                with _lock:
-                    _inflight.pop(token, None)
-            elif now - entry["start"] > timeout:
-                _end(token)
-            elif now - entry["start"] > timeout / 4 and not entry["arrived"]:
-                _store().set(_arrival_key(entry, torch.distributed.get_rank()), "1")
-                entry["arrived"] = True
+    while not stopped.wait(_POLL):
+        with _looking:
+            if stopped.is_set():
+                return
+            _look(_deadline())
+
+
+def _look(timeout: float) -> None:
+    """One look at what is in flight. It ends a collective two looks before the timeout: the process group's
+    own timeout (the same minutes, counted from a moment after the entry's start) raises inside a ``wait()``
+    on an asynchronous one, which no wrapper sees, and would otherwise end the process with a traceback first."""
+    now = time.monotonic()
+    with _lock:
+        entries = list(_inflight.items())
+    for token, entry in entries:
+        work = entry["work"]
+        if work is not None and work.done():
+            try:
+                work.value()
+            except Exception as exc:  # noqa: BLE001 - whatever failed it, the collective failed
+                _end(token, exc)
+            with _lock:
+                _inflight.pop(token, None)
+        elif now - entry["start"] > timeout:
+            _end(token)
+        elif now - entry["start"] > timeout / 4 and not entry["arrived"]:
+            _store().set(_arrival_key(entry, torch.distributed.get_rank()), "1")
+            entry["arrived"] = True
 
 
 def _store():
