@@ -16,10 +16,19 @@ for failures), and the job exits 0. Otherwise (a worker still starting, which ca
 or outlasted the timeout) what is left is SIGKILLed and the launcher raises torchrun's own ``SignalException``,
 so the job ends as torchrun would end it. The same holds when the signal reaches every process of the job: each
 worker takes it once or twice and stops after the same iteration either way.
+
+Arguments the flow refuses. Every worker refuses them the same way: one line (``error: ...``, from rank 0) and
+exit status 2, as argparse does. torchrun reads that as a failed job and buries the line under its own
+``ChildFailedError`` traceback and failure table. So when the first worker to fail exited 2 and every other one
+either exited 2 or was stopped by the agent's signal, the launcher says so in one line (``[launch] workers 0, 1
+exited with status 2 ...``) and exits 2 itself. Any other ending (a worker that crashed, was killed, exited 1)
+keeps torchrun's full report, including its log line naming the first failure, which the launcher holds back
+only until it knows which ending it is.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -28,9 +37,11 @@ import time
 import psutil
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 _POLL = 0.1  # seconds between looks at the workers
+REFUSED = 2  # a worker's exit status for arguments it refuses (the flow's, argparse's)
+_AGENT_LOG = "torch.distributed.elastic.multiprocessing.api"  # logs "failed (exitcode: N) local_rank: ..."
 
 
 def exit_signal(training_args: list[str]) -> signal.Signals | None:
@@ -100,6 +111,54 @@ def exit_codes(pids: list[int], timeout: float) -> dict[int, int | None]:
         time.sleep(_POLL)
 
 
+class HeldFailures(logging.Filter):
+    """Holds back the agent's log lines of a failed round (the signals it sends the workers left, its line
+    naming the first failure) while that failure may be a refusal (module doc); ``release`` logs what was
+    held, where the job's ending turns out to be another."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, entry: logging.LogRecord) -> bool:
+        failed = entry.msg.startswith("failed (exitcode")
+        if failed and entry.args and entry.args[0] != REFUSED:
+            self.held.append(entry)
+            self.release(logging.getLogger(entry.name))
+            return False
+        if failed or entry.msg.startswith("Sending process"):
+            self.held.append(entry)
+            return False
+        return True
+
+    def release(self, logger: logging.Logger) -> None:
+        """Log what was held, in its order, and hold nothing more."""
+        logger.removeFilter(self)
+        held, self.held = self.held, []
+        for entry in held:
+            logger.handle(entry)
+
+
+def refused(failed: ChildFailedError) -> str | None:
+    """The launcher's line when the workers refused their arguments (module doc), else None."""
+    first, failure = failed.get_first_failure()
+    if failure.exitcode != REFUSED:
+        return None
+    codes = {rank: f.exitcode for rank, f in sorted(failed.failures.items())}
+    if any(code != REFUSED and code >= 0 for code in codes.values()):
+        return None
+    said = [f"{_ranks([r for r, c in codes.items() if c == REFUSED])} exited with status {REFUSED} (arguments "
+            f"refused)"]
+    for code in sorted({c for c in codes.values() if c < 0}):
+        said.append(f"{_ranks([r for r, c in codes.items() if c == code])} stopped by the launcher "
+                    f"({signal.Signals(-code).name})")
+    return f"[launch] {failed.name}: " + "; ".join(said)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"worker{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
+
+
 @record  # as torchrun's main: a failed worker's error file becomes the launcher's
 def main(argv: list[str] | None = None) -> None:
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
@@ -111,7 +170,18 @@ def main(argv: list[str] | None = None) -> None:
         timeout = getattr(args, "shutdown_timeout", None)
         timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")) if timeout is None else timeout
         signal.signal(stop_on, WorkersSave(float(timeout)))
-    torchrun.run(args)
+    agent_log, held = logging.getLogger(_AGENT_LOG), HeldFailures()
+    agent_log.addFilter(held)
+    try:
+        torchrun.run(args)
+    except ChildFailedError as failed:
+        line = refused(failed)
+        if line is None:
+            held.release(agent_log)
+            raise
+        print(line, file=sys.stderr, flush=True)
+        sys.exit(REFUSED)
+    held.release(agent_log)  # a job that restarted after a refused round and then ran
 
 
 if __name__ == "__main__":

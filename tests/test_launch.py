@@ -78,3 +78,35 @@ def test_a_worker_that_outlasts_the_shutdown_timeout_is_killed_and_the_job_fails
                "time.sleep(120)"
     status, output = _launch(stubborn, "--exit-signal-handler", nproc=1)
     assert status == 1 and "SignalException" in output, output[-3000:]
+
+
+def _run(worker: str, nproc: int = 2) -> tuple[int, str]:
+    """The launcher with ``nproc`` workers running ``worker`` to their end: its exit status and output."""
+    command = [sys.executable, "scripts/launch.py", "--nproc-per-node", str(nproc), "--master-port",
+               str(free_port()), "--no-python", sys.executable, "-c", worker]
+    done = subprocess.run(command, cwd=ROOT, env=_base_env(None), capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout + done.stderr
+
+
+# rank 0 says why, as the flow does; every rank exits 2 (a rank may be slower: the agent then stops it)
+REFUSING = ("import os, sys, time; time.sleep(0.2 * int(os.environ['RANK'])); "
+            "print('error: --lr-warmup-iters 20: must be fewer than the 20 decay iterations', file=sys.stderr) "
+            "if os.environ['RANK'] == '0' else None; sys.exit(2)")
+
+
+def test_workers_that_refuse_their_arguments_end_the_job_with_the_line_and_one_of_the_launchers():
+    status, output = _run(REFUSING)
+    assert status == 2, output[-3000:]
+    lines = output.strip().splitlines()
+    assert lines[0] == "error: --lr-warmup-iters 20: must be fewer than the 20 decay iterations", output
+    assert len(lines) == 2 and lines[1].startswith("[launch] ") and "exited with status 2" in lines[1], output
+
+
+@pytest.mark.parametrize("worker", [
+    "import os, sys; sys.exit(2 if os.environ['RANK'] == '0' else 1)",  # one refuses, one fails: not a refusal
+    "raise RuntimeError('boom')",
+])
+def test_a_worker_that_crashes_keeps_torchruns_full_report(worker):
+    status, output = _run(worker)
+    assert status == 1, output[-3000:]
+    assert "ChildFailedError" in output and "failed (exitcode:" in output and "[launch]" not in output
