@@ -28,6 +28,8 @@ class Feature:
     constructors: tuple[str, ...] = ()  # registry targets (Class.__init__) that are the feature itself
     values: tuple = ()  # where given: only these values of the setting turn it on
     unless: tuple[str, ...] = ()  # settings that, when on, make the feature run without CUDA
+    library: str = ""  # the CUDA library it needs, where it is one (not CUDA itself, nor torch)
+    instead: str = "turn it off to run here"  # what runs on every backend instead
 
 
 FEATURES = (
@@ -35,9 +37,19 @@ FEATURES = (
             ("megatron.core.transformer.cuda_graphs", "megatron.core.full_cuda_graph",
              "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.__init__",
              "megatron.training.initialize:_initialize_distributed torch.cuda.set_stream"),
-            "graphs are captured and replayed by the CUDA driver"),
+            "graphs are captured and replayed by the CUDA driver",
+            instead="leave --cuda-graph-impl at none (the default; the same steps run eagerly)"),
     Feature("fp8 / fp4 training", ("fp8", "fp4"), (),
-            "the low-precision GEMMs are Transformer Engine's CUDA kernels"),
+            "the low-precision GEMMs are Transformer Engine's CUDA kernels", library="Transformer Engine",
+            instead="train in bf16 instead (--bf16)"),
+    Feature("TP communication overlap", ("tp_comm_overlap",), (),
+            "the tensor-parallel GEMMs are overlapped with their collectives through Transformer Engine's "
+            "userbuffers", library="Transformer Engine",
+            instead="drop --tp-comm-overlap (the tensor-parallel collectives then run between the GEMMs)"),
+    Feature("the flex token dispatcher", ("moe_token_dispatcher_type",), (),
+            "its all-to-all is DeepEP's or HybridEP's CUDA kernels over NVLink and RDMA",
+            values=("flex",), library="DeepEP or HybridEP",
+            instead="use --moe-token-dispatcher-type alltoall (or allgather), which runs on every backend"),
     Feature("batch-invariant kernels", ("batch_invariant_mode",),
             ("megatron.core.transformer.custom_layers.batch_invariant_kernels",),
             "the kernels are triton programs sized by the GPU's streaming multiprocessors"),
@@ -50,14 +62,16 @@ FEATURES = (
             "megatron builds its device mesh on 'cuda'",
             ("megatron.core.distributed.torch_fully_sharded_data_parallel:TorchFullyShardedDataParallel.__init__",)),
     Feature("NCCL user buffers", ("nccl_ub",), ("megatron.core.nccl_allocator",),
-            "buffers are registered with NCCL from CUDA memory pools"),
+            "buffers are registered with NCCL from CUDA memory pools", library="NCCL",
+            instead="drop --use-nccl-ub (the collectives then use the backend's own buffers)"),
     Feature("fine-grained activation offloading", ("fine_grained_activation_offloading",),
             ("megatron.core.pipeline_parallel.fine_grained_activation_offload",),
             "activations move between CUDA memory and pinned host memory on CUDA streams"),
     Feature("symmetric-memory all-reduce", ("symmetric_ar_type",),
             ("megatron.core.utils:GlobalSymmetricMemoryBuffer",  # 0.16
              "megatron.core.inference.symmetric_memory:SymmetricMemoryBuffer"),  # 0.17+
-            "torch's symmetric memory needs NVLink-connected CUDA devices"),
+            "torch's symmetric memory needs NVLink-connected CUDA devices",
+            instead="drop --symmetric-ar-type (all-reduces then run through the backend's collective library)"),
     Feature("inference-optimized layers", ("use_inference_optimized_layers",),
             ("megatron.core.tensor_parallel.inference_layers",  # 0.16; from 0.17 it holds no CUDA site itself:
              "megatron.core.inference.communication.torch_symm_triton",  # its NVLS collectives (0.17+)
@@ -99,29 +113,53 @@ FEATURES = (
 
 
 def configured(feature: Feature, source) -> str | None:
-    """The setting of ``source`` (a config or Megatron-LM's args) that turns ``feature`` on, or None."""
+    """The setting of ``source`` (a config or Megatron-LM's args) that turns ``feature`` on
+    (``fp8='hybrid'``), or None."""
+    found = turned_on(feature, source)
+    return None if found is None else f"{found[0]}={found[1]!r}"
+
+
+def turned_on(feature: Feature, source) -> tuple[str, object] | None:
+    """(setting, value) of ``source`` that turns ``feature`` on, or None."""
     if any(getattr(source, setting, None) for setting in feature.unless):
         return None
     for setting in feature.settings:
         value = getattr(source, setting, None)
         if (value in feature.values) if feature.values else (value and value != "none"):
-            return f"{setting}={value!r}"
+            return setting, value
     return None
 
 
+# Megatron-LM's flags whose name is not the setting's (``--fp8-format`` sets ``args.fp8``)
+FLAGS = {"fp8": "--fp8-format", "fp4": "--fp4-format", "nccl_ub": "--use-nccl-ub"}
+
+
+def as_flag(setting: str, value) -> str:
+    """A setting as Megatron-LM's command line spells it: ``--fp8-format hybrid``; a switch
+    (``tp_comm_overlap=True``) as ``--tp-comm-overlap``."""
+    flag = FLAGS.get(setting, "--" + setting.replace("_", "-"))
+    return flag if value is True else f"{flag} {value}"
+
+
 def refusal(feature: Feature, what: str) -> CudaOnlyFeatureError:
-    return CudaOnlyFeatureError(f"{what}: {feature.name} runs only on CUDA ({feature.why}); this process runs "
-                                f"on the {backend.current().name} backend: turn it off to run here, or run on CUDA")
+    """The one line: ``what`` (the setting or flag), the feature, the CUDA library it needs and what runs here
+    instead."""
+    library = f", with {feature.library}" if feature.library else ""
+    installed = f" with {feature.library} installed" if feature.library else ""
+    return CudaOnlyFeatureError(f"{what}: {feature.name} runs only on CUDA{library} ({feature.why}); this process "
+                                f"runs on the {backend.current().name} backend: {feature.instead}, or run on "
+                                f"CUDA{installed}")
 
 
-def check(source) -> None:
-    """Refuse the first CUDA-only feature ``source`` turns on (off CUDA)."""
+def check(source, flags: bool = False) -> None:
+    """Refuse the first CUDA-only feature ``source`` turns on (off CUDA); ``flags``: name the setting as
+    Megatron-LM's command line does (``source`` is its arguments)."""
     if backend.current().name == "cuda":
         return
     for feature in FEATURES:
-        setting = configured(feature, source)
-        if setting is not None:
-            raise refusal(feature, setting)
+        found = turned_on(feature, source)
+        if found is not None:
+            raise refusal(feature, as_flag(*found) if flags else f"{found[0]}={found[1]!r}")
 
 
 def owner(module: str, qualname: str, spelling: str) -> Feature | None:

@@ -20,6 +20,15 @@ In order:
 
 Problems found before the script starts are one line on stderr: exit status 2 for a missing script, 1
 for the environment (no megatron.training, a checkout whose megatron-core is not the installed one).
+
+A feature the script turns on that needs a CUDA library this backend lacks (``--fp8-format``,
+``--tp-comm-overlap``, ``--moe-token-dispatcher-type flex``, ``--cuda-graph-impl``, ``--use-nccl-ub``,
+``--symmetric-ar-type``: adapter.cuda_only_features) is refused where megatron is given it, in Megatron-LM's
+``validate_args``, before any group or model exists. Every rank raises the same ``CudaOnlyFeatureError``;
+``run_refusing`` turns it into one line for the job (rank 0's) and exit status 2 on every rank, as a refused
+argument is. The exception is caught here, at the top of the script's run, rather than printed and exited
+inside the patch: megatron's code between the patch and here (its own ``try`` blocks) is left as it is, and a
+refusal raised later (a config or a constructor of a refused feature) ends the same way.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from pathlib import Path
 import adapter  # the backend and the patch table, before anything imports megatron
 from adapter.core_source import (CHECKOUT, installed_megatron_core, megatron_lm_checkout, megatron_training,
                                  prefer_installed_megatron_core)
+from adapter.cuda_only_features import CudaOnlyFeatureError
 
 HOOK_DIR = Path(__file__).resolve().parent / "_spawn_hook"
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # where ``import adapter`` finds the adapter
@@ -109,8 +119,32 @@ def main(argv: list[str] | None = None) -> int:
     hook_children()
     sys.argv = [str(script), *argv[1:]]
     sys.path[0] = str(script.parent)
-    run_routed(script)
+    return run_refusing(script)
+
+
+REFUSED = 2  # a refused argument's exit status (argparse's)
+
+
+def run_refusing(script: Path) -> int:
+    """``run_routed(script)``; a CUDA-only feature's refusal (module doc) is one line, from rank 0, and
+    ``REFUSED`` on every rank."""
+    try:
+        run_routed(script)
+    except CudaOnlyFeatureError as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        _leave_groups()
+        return REFUSED
     return 0
+
+
+def _leave_groups() -> None:
+    """Destroy the process groups where a refusal came after they were made (local to this rank): an
+    interpreter that exits holding gloo groups can die in their threads' destructors."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _is_main_guard(node: ast.stmt) -> bool:

@@ -30,6 +30,19 @@ def refuse_configured(configure):
     return checked
 
 
+def refuse_arguments(validate_args):
+    """For Megatron-LM's ``validate_args``: as ``refuse_configured``, the setting named as its flag
+    (``--fp8-format hybrid``), before megatron's own checks and anything that builds a model. Its
+    ``CudaOnlyFeatureError`` becomes one line per job in ``adapter.run``."""
+
+    @functools.wraps(validate_args)
+    def checked(args, *rest, **kwargs):
+        cuda_only_features.check(args, flags=True)
+        return validate_args(args, *rest, **kwargs)
+
+    return checked
+
+
 def _refuse_constructing(feature: cuda_only_features.Feature, target: str):
     def wrap(init):
         @functools.wraps(init)
@@ -60,7 +73,7 @@ def register(registry, versions: str) -> None:
     for target in _CONFIGS:
         registry.wrap(target, refuse_configured, versions=versions, backends=OFF_CUDA,
                       reason="CUDA-only features (CUDA graphs, fp8, Megatron-FSDP, ...) refused where configured")
-    registry.wrap("megatron.training.arguments:validate_args", refuse_configured, versions=versions,
+    registry.wrap("megatron.training.arguments:validate_args", refuse_arguments, versions=versions,
                   backends=OFF_CUDA, reason="CUDA-only features refused before any rank does work")
     registry.wrap(_REFIT, refuse_nvshmem_refit, versions=versions, backends=OFF_CUDA,
                   reason="the NVSHMEM and NIXL copy services copy between CUDA devices")

@@ -15,7 +15,8 @@ TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 TRANSFORMER = [("enable_cuda_graph", True), ("external_cuda_graph", True), ("cuda_graph_impl", "local"),
                ("fp8", "hybrid"), ("fp4", "e2m1"), ("batch_invariant_mode", True),
                ("fine_grained_activation_offloading", True), ("symmetric_ar_type", "two_shot"),
-               ("use_inference_optimized_layers", True)]
+               ("use_inference_optimized_layers", True), ("tp_comm_overlap", True),
+               ("moe_token_dispatcher_type", "flex")]
 DDP = [("use_megatron_fsdp", True), ("use_custom_fsdp", True), ("nccl_ub", True)]
 ARGS_ONLY = [("use_torch_fsdp2", True), ("refit_method", "nvshmem"), ("record_memory_history", True),
              ("profile", True), ("optimizer_cuda_graph", True)]
