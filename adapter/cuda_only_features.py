@@ -159,7 +159,7 @@ def check(source, flags: bool = False) -> None:
     for feature in FEATURES:
         found = turned_on(feature, source)
         if found is not None:
-            raise refusal(feature, as_flag(*found) if flags else f"{found[0]}={found[1]!r}")
+            raise refusal(feature, as_flag(*found) if flags else configured(feature, source))
 
 
 def owner(module: str, qualname: str, spelling: str) -> Feature | None:
