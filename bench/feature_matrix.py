@@ -117,7 +117,8 @@ FEATURES = (
                                     "--tp-comm-overlap"]),
     _f("flex dispatcher (DeepEP)", [*MOE, "--moe-token-dispatcher-type", "flex"]),
     _f("CUDA graphs", ["--cuda-graph-impl", "local"]),
-    _f("NCCL user buffers", ["--nccl-ub"]),
+    _f("NCCL user buffers", ["--use-nccl-ub"]),
+    _f("symmetric-memory all-reduce", ["--symmetric-ar-type", "two_shot"]),
 )
 FLOWS = ("megatron-lm", "flow")
 BACKENDS = {"cpu": {"ADAPTER_BACKEND": "cpu"},
