@@ -97,8 +97,8 @@ def _mla_config(dtype=torch.float32, **rope):
 
     return MLATransformerConfig(
         num_layers=1, hidden_size=64, num_attention_heads=4, multi_latent_attention=True, q_lora_rank=32,
-        kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=8,
-        **(rope or dict(rope_type="rope")), normalization="RMSNorm", add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
+        kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=8, **(rope or dict(rope_type="rope")),
+        normalization="RMSNorm", add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
         use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16)
 
 
