@@ -8,7 +8,7 @@ where the flag sends them, so the flags keep their meaning: ``bias_activation_fu
 A provider entry of None leaves megatron's own implementation in place.
 """
 
-import logging
+import os
 from functools import partial
 
 from packaging.version import Version
@@ -103,16 +103,17 @@ _said = []
 
 def _mla_rope_unfused(post_init):
     """MLA's ``apply_rope_fusion`` runs megatron's Triton YaRN kernels (fused_mla_yarn_rope_apply), which need
-    CUDA's Triton driver: off CUDA, megatron's unfused MLA RoPE (the same rotation) runs, said once."""
+    CUDA's Triton driver: off CUDA, megatron's unfused MLA RoPE (the same rotation) runs, said once per job
+    (by rank 0)."""
 
     def __post_init__(self):
         if self.multi_latent_attention and self.apply_rope_fusion:
             self.apply_rope_fusion = False
-            if not _said:
+            if not _said and os.environ.get("RANK", "0") == "0":
                 _said.append(True)
-                logging.getLogger("adapter").warning(
-                    "apply_rope_fusion with multi_latent_attention: megatron's fused MLA RoPE is a CUDA Triton "
-                    "kernel; running megatron's unfused MLA RoPE (the same rotation) on this backend")
+                print("[adapter] apply_rope_fusion with multi_latent_attention: megatron's fused MLA RoPE is a "
+                      "CUDA Triton kernel; megatron's unfused MLA RoPE (the same rotation) runs on this backend",
+                      flush=True)
         return post_init(self)
 
     return __post_init__

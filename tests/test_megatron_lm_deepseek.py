@@ -82,3 +82,4 @@ def test_deepseek_v3_flag_set_trains_at_pp2_ep2_tp2(tmp_path):
     log = _run(tmp_path, 8, args)
     _falls(_losses(log), 4)
     assert re.search(r"mtp_1 loss: \S+", log) and re.search(r"seq_load_balancing_loss: \S+", log), log[-3000:]
+    assert log.count("megatron's fused MLA RoPE is a CUDA Triton kernel") == 1  # said once per job
