@@ -8,6 +8,7 @@ where the flag sends them, so the flags keep their meaning: ``bias_activation_fu
 A provider entry of None leaves megatron's own implementation in place.
 """
 
+import os
 from functools import partial
 
 from packaging.version import Version
@@ -96,6 +97,28 @@ def _fused_interleaved_rope_allowed(post_init):
     return __post_init__
 
 
+_MLA_CONFIG = "megatron.core.transformer.transformer_config:MLATransformerConfig.__post_init__"
+_said = []
+
+
+def _mla_rope_unfused(post_init):
+    """MLA's ``apply_rope_fusion`` runs megatron's Triton YaRN kernels (fused_mla_yarn_rope_apply), which need
+    CUDA's Triton driver: off CUDA, megatron's unfused MLA RoPE (the same rotation) runs, said once per job
+    (by rank 0)."""
+
+    def __post_init__(self):
+        if self.multi_latent_attention and self.apply_rope_fusion:
+            self.apply_rope_fusion = False
+            if not _said and os.environ.get("RANK", "0") == "0":
+                _said.append(True)
+                print("[adapter] apply_rope_fusion with multi_latent_attention: megatron's fused MLA RoPE is a "
+                      "CUDA Triton kernel; megatron's unfused MLA RoPE (the same rotation) runs on this backend",
+                      flush=True)
+        return post_init(self)
+
+    return __post_init__
+
+
 def _register_moe_permutation(registry, versions: str, provider) -> None:
     """``moe_permute_fusion`` runs the provider's permutation. Without Transformer Engine, moe_utils leaves
     its fused names unbound (0.16) or binds them to None (0.17+; a bind goes over None) and ``HAVE_TE``
@@ -122,6 +145,8 @@ def register(registry, versions: str) -> None:
                   reason="moe_grouped_gemm in the local spec runs the provider's grouped GEMM (no grouped_gemm/TE): "
                          "0.16 gets (TEGroupedMLP, submodules), 0.17+ a TEGroupedMLP experts builder")
     _register_moe_permutation(registry, versions, provider)
+    registry.wrap(_MLA_CONFIG, _mla_rope_unfused, versions=versions, backends=("cpu", "npu"),
+                  reason="MLA's fused RoPE is megatron's CUDA Triton kernel: its unfused path runs off CUDA")
     if provider.installed_norm() is None:
         for target in ("megatron.core.transformer.transformer_block:LayerNormImpl",
                        "megatron.core.models.gpt.gpt_layer_specs:LNImpl"):

@@ -242,6 +242,8 @@ def test_fa_keep_prob_drops_probabilities_and_rescales(npu):
     ({"key": torch.randn(1, 2, 3, 8, dtype=torch.float16)}, "share a dtype"),
     ({"query": torch.randn(1, 3, 3, 8), "head_num": 3}, "multiple of the key/value head count"),
     ({"value": torch.randn(1, 2, 4, 8)}, "same shape"),
+    ({"value": torch.randn(1, 2, 3, 16)}, "Dv <= Dk"),
+    ({"query": torch.randn(1, 2, 3, 800), "key": torch.randn(1, 2, 3, 800)}, "<= 768"),
     ({"head_num": 3}, "head_num 3 must equal query's N"),
     ({"input_layout": "BHSD"}, "input_layout"),
     ({"atten_mask": torch.zeros(3, 3)}, "bool or uint8"),
@@ -252,6 +254,17 @@ def test_fa_refuses_what_the_kernel_rejects(npu, change, error):
             "head_num": 2, "input_layout": "BNSD", **change}
     with pytest.raises(RuntimeError, match=error):
         npu.npu_fusion_attention(**args)
+
+
+def test_fa_value_head_narrower_than_query_key_as_multi_latent_attention(npu):
+    """Dq == Dk > Dv (MLA's 192-wide query/key heads over 128-wide value heads) runs, SBH and BNSD alike."""
+    q, k, v = torch.randn(1, 4, 5, 12), torch.randn(1, 2, 5, 12), torch.randn(1, 2, 5, 8)
+    ref = torch.softmax(0.3 * q @ k.repeat_interleave(2, 1).transpose(-2, -1), -1) @ v.repeat_interleave(2, 1)
+    out = npu.npu_fusion_attention(q, k, v, 4, "BNSD", scale=0.3)[0]
+    torch.testing.assert_close(out, ref)
+    sbh = lambda t: t.permute(2, 0, 1, 3).flatten(2)  # noqa: E731
+    out = npu.npu_fusion_attention(sbh(q), sbh(k), sbh(v), 4, "SBH", scale=0.3)[0]
+    torch.testing.assert_close(out, sbh(ref))
 
 
 def test_fa_refuses_too_many_heads_and_unmodelled_features(npu):

@@ -6,8 +6,10 @@ call to the provider's ``attention`` function:
 
     attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=None, cu_seqlens_kv=None)
 
-- sbhd: q [sq, b, nq, d], k/v [sk, b, nkv, d] -> [sq, b, nq * d];
-  thd (packed): q [t, nq, d], k/v [t, nkv, d], cumulative lengths [n + 1] -> [t, nq * d].
+- sbhd: q [sq, b, nq, d], k [sk, b, nkv, d], v [sk, b, nkv, dv] -> [sq, b, nq * dv];
+  thd (packed): q [t, nq, d], k [t, nkv, d], v [t, nkv, dv], cumulative lengths [n + 1] -> [t, nq * dv].
+  dv differs from d under multi-latent attention (megatron passes ``k_channels`` / ``v_channels``, as to
+  Transformer Engine's DotProductAttention).
 - ``mask``: bool, True = masked out, broadcastable to [b, nq, sq, sk]; ``causal`` and ``window`` are
   bottom-right aligned (equal to top-left when sq == sk); ``window`` = (left, right), -1 = unbounded.
 
@@ -32,6 +34,15 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from adapter.kernels import UnsupportedKernelSetting, context_parallel
 
 
+def _check_cp_head_sizes(k_channels, v_channels, cp_size: int) -> None:
+    """The adapter's ring and all-to-all attention exchange q/k/v and merge outputs of one head size."""
+    if k_channels is not None and v_channels is not None and k_channels != v_channels:
+        raise UnsupportedKernelSetting(
+            f"context_parallel_size={cp_size} with key head size {k_channels} != value head size {v_channels} "
+            "(multi-latent attention): the adapter's context-parallel attention needs one head size; use "
+            "context_parallel_size=1 with MLA")
+
+
 class CoreAttention(MegatronModule):
     """megatron's core-attention interface; ``attention`` (and ``kernels``, the provider module, whose
     ``attention_with_lse`` / ``attention_grad_from_lse`` run ring attention's blocks) are bound per provider
@@ -43,10 +54,12 @@ class CoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None):
+                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None):
         super().__init__(config=config)
         self.cp_group = self.cp_kind = None
         if config.context_parallel_size > 1:
+            _check_cp_head_sizes(k_channels, v_channels, config.context_parallel_size)
             tp = config.tensor_model_parallel_size
             self.cp_kind = context_parallel.check_cp_attention(
                 cp_comm_type or config.cp_comm_type, config.num_attention_heads // tp,
@@ -61,7 +74,9 @@ class CoreAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         # apply_query_key_layer_scaling divides the scale by the layer number and multiplies the scores
         # back inside megatron's softmax: the net scale is unchanged.
-        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        # TE's default with separate sizes is 1/sqrt(key head size); MLA passes its own (YaRN's mscale in it).
+        head_size = k_channels if k_channels is not None and v_channels is not None else config.kv_channels
+        self.softmax_scale = 1.0 / math.sqrt(head_size) if softmax_scale is None else softmax_scale
         self.window = (tuple(config.window_size)
                        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
                                                     self.layer_number) else None)

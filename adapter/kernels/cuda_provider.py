@@ -114,8 +114,11 @@ def _flash_window(window, causal) -> tuple[int, int]:
     return (left, 0 if causal else right)
 
 
-def _use_flash_attn(q, mask) -> bool:
-    return HAVE_FLASH_ATTN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None
+def _use_flash_attn(q, v, mask) -> bool:
+    """flash-attn 2 takes one head size for q, k and v; a separate value head size (multi-latent attention)
+    goes to SDPA, which takes it."""
+    return (HAVE_FLASH_ATTN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None
+            and v.shape[-1] == q.shape[-1])
 
 
 def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=None, cu_seqlens_kv=None):
@@ -123,7 +126,7 @@ def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=N
         raise UnsupportedKernelSetting(
             f"{q.shape[-2]} query heads over {k.shape[-2]} key/value heads: the query heads must be a "
             "multiple of the key/value groups")
-    if _use_flash_attn(q, mask):
+    if _use_flash_attn(q, v, mask):
         flash = _flash_attn()
         if cu_seqlens_q is not None:
             out = flash.flash_attn_varlen_func(

@@ -61,6 +61,25 @@ def _check_heads(nq: int, nkv: int) -> None:
             "tensor_model_parallel_size or fix num_query_groups")
 
 
+MAX_HEAD_DIM = 768
+
+
+def _head_dims(q, k, v):
+    """q and k at a head size npu_fusion_attention takes with v's. The op needs Dq == Dk >= Dv, each at most
+    768 (torch_npu 2.14 docs): multi-latent attention's wider query/key heads (qk_head_dim +
+    qk_pos_emb_head_dim) over narrower value heads go in as they are. A value head wider than the query/key
+    one gets q and k zero-padded to it, which leaves every score q k^T unchanged (the pads' gradients are
+    dropped by autograd's slice)."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    if max(dk, dv) > MAX_HEAD_DIM:
+        raise UnsupportedKernelSetting(
+            f"attention head sizes {dk} (query/key) and {dv} (value): npu_fusion_attention takes at most "
+            f"{MAX_HEAD_DIM}; lower kv_channels (or qk_head_dim + qk_pos_emb_head_dim, v_head_dim)")
+    if dv <= dk:
+        return q, k
+    return F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
+
+
 def _window_tokens(window) -> tuple[int, int]:
     left, right = window
     return (UNBOUNDED if left < 0 else left), (UNBOUNDED if right < 0 else right)
@@ -69,6 +88,7 @@ def _window_tokens(window) -> tuple[int, int]:
 def attention(q, k, v, *, scale, causal, mask, window, dropout_p, cu_seqlens_q=None, cu_seqlens_kv=None):
     nq = q.shape[-2]
     _check_heads(nq, k.shape[-2])
+    q, k = _head_dims(q, k, v)
     options = dict(scale=scale, keep_prob=1.0 - dropout_p)
     if cu_seqlens_q is not None:
         if causal:

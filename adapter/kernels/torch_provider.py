@@ -63,7 +63,7 @@ def masked_positions(sq: int, sk: int, causal: bool, window, device) -> torch.Te
 
 
 def _dense_attention(q, k, v, scale, causal, mask, window, dropout_p):
-    sq, b, nq, d = q.shape
+    sq, b, nq, _ = q.shape
     sk, nkv = k.shape[0], k.shape[2]
     if nq != nkv:
         k = k.repeat_interleave(nq // nkv, dim=2)
@@ -78,8 +78,8 @@ def _dense_attention(q, k, v, scale, causal, mask, window, dropout_p):
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p)
-    context = torch.matmul(probs, v.permute(1, 2, 0, 3))  # [b, nq, sq, d]
-    return context.permute(2, 0, 1, 3).reshape(sq, b, nq * d)
+    context = torch.matmul(probs, v.permute(1, 2, 0, 3))  # [b, nq, sq, dv]
+    return context.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 SDPA_CONTIGUOUS_ENV = "ADAPTER_SDPA_CONTIGUOUS"
@@ -106,8 +106,9 @@ _sdpa_layout = sdpa_layout(_backend.current().name, os.environ.get(SDPA_CONTIGUO
 
 
 def sdpa_attention(q, k, v, scale, causal, mask, window, dropout_p):
-    """Dense attention through ``scaled_dot_product_attention``, q [sq, b, nq, d] -> [sq, b, nq * d]."""
-    sq, b, nq, d = q.shape
+    """Dense attention through ``scaled_dot_product_attention``, q [sq, b, nq, d], v [sk, b, nkv, dv] ->
+    [sq, b, nq * dv] (SDPA takes a value head size apart from the query/key one, as MLA needs)."""
+    sq, b, nq, _ = q.shape
     sk, nkv = k.shape[0], k.shape[2]
     hidden = None
     if mask is not None or window is not None or (causal and sq != sk):
@@ -119,7 +120,7 @@ def sdpa_attention(q, k, v, scale, causal, mask, window, dropout_p):
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=None if hidden is None else ~hidden, dropout_p=dropout_p,
         is_causal=causal and hidden is None, scale=scale, enable_gqa=nq != nkv)
-    return out.permute(2, 0, 1, 3).reshape(sq, b, nq * d)
+    return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 def _dense(q, k, v, scale, causal, mask, window, dropout_p):

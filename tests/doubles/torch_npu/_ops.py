@@ -36,6 +36,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _MASK_DTYPES = (torch.bool, torch.uint8)
 _LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
 _MAX_Q_HEADS = 256
+_MAX_HEAD_DIM = 768
 _COMPRESSED_MASK_SIDE = 2048
 _ROTARY_MODES = ("half", "interleave")
 _ROTARY_MAX_D = 896  # exclusive
@@ -170,6 +171,24 @@ def _from_bnsd(tensor, layout: str):
     return tensor
 
 
+def _check_value(query, key, value, head_num: int, kv_heads: int, layout: str) -> int:
+    """Value may have its own head size Dv (multi-latent attention), with Dq == Dk >= Dv, each in 1..768
+    (torch_npu 2.14 docs); otherwise key and value share their shape. Returns the output's last dim
+    (N * Dv for BSH/SBH, Dv otherwise)."""
+    _check(tuple(key.shape[:-1]) == tuple(value.shape[:-1]),
+           f"key and value must have the same shape but for the last dim, got {tuple(key.shape)} and "
+           f"{tuple(value.shape)}")
+    packed = layout in ("BSH", "SBH")
+    if packed:
+        _check(value.shape[-1] % kv_heads == 0,
+               f"value hidden size {value.shape[-1]} must be a multiple of the key/value head count {kv_heads}")
+    dk = key.shape[-1] // kv_heads if packed else key.shape[-1]
+    dv = value.shape[-1] // kv_heads if packed else value.shape[-1]
+    _check(1 <= dv <= dk <= _MAX_HEAD_DIM,
+           f"head dims must satisfy 1 <= Dv <= Dk <= {_MAX_HEAD_DIM} (Dq == Dk), got Dk={dk}, Dv={dv}")
+    return head_num * dv if packed else dv
+
+
 def _kv_heads(query, key, head_num: int, layout: str) -> int:
     """Number of KV heads after checking the query's head count against head_num and the layout."""
     if layout in ("BSH", "SBH"):
@@ -277,7 +296,8 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     cumulative ends without the leading 0; masks apply per sequence with local indices, a TND
     sparse_mode 0/1 mask is an [S, S] mask whose top-left [Sq_i, Skv_i] corner serves sequence i, and a
     fully masked query row is refused under TND, as the reference says varlen allows none).
-    GQA: Nq % Nkv == 0, Nq <= 256. Dropout draws from torch's default generator of the tensor's device.
+    GQA: Nq % Nkv == 0, Nq <= 256. Head dims Dq == Dk >= Dv, each <= 768: value may be narrower (multi-latent
+    attention), the output then has Dv. Dropout draws from torch's default generator of the tensor's device.
 
     Returns ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``: the output in
     the input layout and dtype; float32 softmax_max / softmax_sum [B, N, Sq, 8] ([T, N, 8] for TND);
@@ -306,11 +326,10 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         _check(tensor.dim() == rank, f"{name} must be {rank}-D for input_layout {input_layout}, "
                                      f"got shape {tuple(tensor.shape)}")
-    _check(tuple(key.shape) == tuple(value.shape),
-           f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
     kv_heads = _kv_heads(query, key, head_num, input_layout)
     _check(kv_heads > 0 and head_num % kv_heads == 0,
            f"head_num {head_num} must be a multiple of the key/value head count {kv_heads}")
+    _check_value(query, key, value, head_num, kv_heads, input_layout)
     _check(head_num <= _MAX_Q_HEADS, f"head_num {head_num} must be <= {_MAX_Q_HEADS}")
     if input_layout == "TND":
         return _fusion_attention_tnd(query, key, value, atten_mask, scale, keep_prob, pre_tockens,
@@ -396,16 +415,15 @@ def _grad_inputs(query, key, value, dy, attention_in, head_num, input_layout, so
     for name, tensor in (("query", query), ("key", key), ("value", value), ("dy", dy)):
         _check(tensor.dim() == rank, f"{name} must be {rank}-D for input_layout {input_layout}, "
                                      f"got shape {tuple(tensor.shape)}")
-    _check(tuple(key.shape) == tuple(value.shape),
-           f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
     kv_heads = _kv_heads(query, key, head_num, input_layout)
     _check(kv_heads > 0 and head_num % kv_heads == 0 and head_num <= _MAX_Q_HEADS,
            f"head_num {head_num} must be <= {_MAX_Q_HEADS} and a multiple of the key/value head count {kv_heads}")
-    _check(tuple(dy.shape) == tuple(query.shape), f"dy must be shaped like the attention output "
-                                                  f"{tuple(query.shape)}, got {tuple(dy.shape)}")
+    out_shape = (*query.shape[:-1], _check_value(query, key, value, head_num, kv_heads, input_layout))
+    _check(tuple(dy.shape) == out_shape, f"dy must be shaped like the attention output {out_shape}, "
+                                         f"got {tuple(dy.shape)}")
     _check(isinstance(attention_in, torch.Tensor) and attention_in.dtype == query.dtype
-           and tuple(attention_in.shape) == tuple(query.shape),
-           f"attention_in (the forward output) must be a {query.dtype} Tensor shaped {tuple(query.shape)}")
+           and tuple(attention_in.shape) == out_shape,
+           f"attention_in (the forward output) must be a {query.dtype} Tensor shaped {out_shape}")
     if softmax_in is not None and softmax_in.numel() > 0:
         raise NotImplementedError("a non-empty softmax_in is not modelled by the double (pass None or the "
                                   "forward's empty softmax_out)")

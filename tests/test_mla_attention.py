@@ -1,0 +1,149 @@
+"""Multi-latent attention (DeepSeek-V3) on every kernel provider: the core attention takes megatron's separate
+key and value head sizes (``k_channels`` / ``v_channels``), checked against plain softmax(q k^T * scale) v in
+torch, and megatron's own MLASelfAttention builds and trains through the adapter's layer spec."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+
+from adapter import kernels
+from tests.kernel_reference import (
+    assert_all_close,
+    attention_config,
+    called,
+    forward_backward,
+    leaves,
+    one_rank_model_parallel,
+    randn,
+)
+
+SEQ, BATCH, HEADS = 12, 2, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_parallel():
+    with one_rank_model_parallel():
+        yield
+
+
+def _reference(q, k, v, scale):
+    """softmax(q k^T * scale) v, causal, in float32: q/k [s, b, n, dk], v [s, b, nkv, dv] -> [s, b, n * dv]."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (t.float().permute(1, 2, 0, 3) for t in (q, k, v))
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1), -torch.inf)
+    out = torch.softmax(scores, -1) @ v
+    return out.permute(2, 0, 1, 3).flatten(2)
+
+
+def _core_attention(provider, config, k_channels, v_channels, softmax_scale=None):
+    return kernels.core_attention_module(provider)(
+        config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+        softmax_scale=softmax_scale, k_channels=k_channels, v_channels=v_channels)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [4, 2], ids=["mha", "gqa2"])
+@pytest.mark.parametrize("dk, dv", [(24, 16), (8, 16)], ids=["dk>dv", "dk<dv"])
+def test_separate_key_and_value_head_sizes_match_plain_attention(provider, dk, dv, groups, dtype):
+    config = attention_config(heads=HEADS, groups=groups, head_dim=16, dtype=dtype)
+    q, k = randn(SEQ, BATCH, HEADS, dk, dtype=dtype, seed=1), randn(SEQ, BATCH, groups, dk, dtype=dtype, seed=2)
+    v = randn(SEQ, BATCH, groups, dv, dtype=dtype, seed=3)
+    scale = 0.37  # MLA hands its own scale (YaRN's mscale squared over sqrt(q head size))
+    got = forward_backward(lambda *x: _core_attention(provider, config, dk, dv, scale)(*x, None), leaves(q, k, v))
+    want = forward_backward(lambda *x: _reference(*x, scale).to(dtype), leaves(q, k, v))
+    assert got[0].shape == (SEQ, BATCH, HEADS * dv)
+    assert_all_close(got, want, dtype)
+    called(provider, "npu_fusion_attention")
+
+
+def test_default_scale_is_one_over_the_square_root_of_the_key_head_size(provider):
+    """As Transformer Engine's DotProductAttention with kv_channels=(k_channels, v_channels)."""
+    config = attention_config(heads=HEADS, groups=HEADS, head_dim=16)
+    assert _core_attention(provider, config, 24, 16).softmax_scale == pytest.approx(1 / math.sqrt(24))
+
+
+def test_packed_sequences_with_separate_value_head_size(provider):
+    bounds = torch.tensor([0, 5, 12], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                             max_seqlen_q=7, max_seqlen_kv=7)
+    config = attention_config(heads=HEADS, groups=2, head_dim=16)
+    q, k, v = randn(SEQ, HEADS, 24, seed=1), randn(SEQ, 2, 24, seed=2), randn(SEQ, 2, 16, seed=3)
+    got = forward_backward(
+        lambda *x: _core_attention(provider, config, 24, 16, 0.3)(*x, None, packed_seq_params=packed),
+        leaves(q, k, v))
+
+    def per_sequence(q, k, v):
+        return torch.cat([_reference(*(t[s:e].unsqueeze(1) for t in (q, k, v)), 0.3).squeeze(1)
+                          for s, e in ((0, 5), (5, 12))])
+
+    assert_all_close(got, forward_backward(per_sequence, leaves(q, k, v)), torch.float32)
+
+
+def test_context_parallel_with_separate_head_sizes_is_refused_in_one_line(provider):
+    config = attention_config(heads=HEADS, groups=HEADS, head_dim=16, context_parallel_size=2)
+    with pytest.raises(kernels.UnsupportedKernelSetting, match="context_parallel_size=2 with key head size 24"):
+        _core_attention(provider, config, 24, 16)
+
+
+def _mla_config(dtype=torch.float32, **rope):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, multi_latent_attention=True, q_lora_rank=32,
+        kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=8, **(rope or dict(rope_type="rope")),
+        normalization="RMSNorm", add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
+        use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+
+
+def _mla_layer(config):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, normalization="RMSNorm")
+    return build_module(spec.submodules.self_attention, config=config, layer_number=1)
+
+
+# YaRN as DeepSeek-V3 (scaling factor 40, mscale_all_dim 1): scale = (0.1 ln 40 + 1)^2 / sqrt(q head size);
+# apply_rope_fusion asks for megatron's Triton MLA RoPE, which off CUDA runs unfused (patches/kernels.py).
+ROPES = {"rope": ({}, 1.0),
+         "yarn_fused": (dict(rope_type="yarn", rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0,
+                             apply_rope_fusion=True), (0.1 * math.log(40.0) + 1.0) ** 2)}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_megatron_mla_self_attention_trains_through_the_adapter_spec(provider, monkeypatch, rope):
+    """megatron's MLASelfAttention, built from its local spec (whose core attention is the provider's), runs
+    forward and backward, and the core attention's output on the layer's own q/k/v (192/128-like: 24-wide
+    query/key heads, 8-wide value heads) equals the plain formula at megatron's MLA scale."""
+    monkeypatch.setattr(kernels, "current", lambda: provider)
+    kernels.core_attention_module.cache_clear()
+    try:
+        layer = _mla_layer(_mla_config(**ROPES[rope][0]))
+    finally:
+        kernels.core_attention_module.cache_clear()
+    assert type(layer.core_attention).__name__ == f"{provider.NAME.capitalize()}CoreAttention"
+    torch.manual_seed(0)
+    hidden = torch.randn(SEQ, BATCH, 64, requires_grad=True)
+    seen = {}
+
+    def plain(q, k, v, *args, **kwargs):
+        seen["want"] = _reference(q, k, v, layer.softmax_scale)
+        seen["got"] = original(q, k, v, *args, **kwargs)
+        return seen["got"]
+
+    original = layer.core_attention.forward
+    layer.core_attention.forward = plain
+    out, _ = layer(hidden, attention_mask=None)
+    out.float().sum().backward()
+    assert out.shape == (SEQ, BATCH, 64) and torch.isfinite(hidden.grad).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters() if p.requires_grad)
+    torch.testing.assert_close(seen["got"], seen["want"], atol=1e-5, rtol=1e-5)
+    assert layer.softmax_scale == pytest.approx(ROPES[rope][1] / math.sqrt(16 + 8))
+    called(provider, "npu_fusion_attention")
