@@ -15,7 +15,12 @@ import dataclasses
 from adapter import backend
 
 
-class CudaOnlyFeatureError(ValueError):
+class RefusedSetting(ValueError):
+    """A setting this backend cannot run, said in one line for the job (``adapter.run``) before any model
+    is built."""
+
+
+class CudaOnlyFeatureError(RefusedSetting):
     """A feature that needs CUDA was configured on another backend."""
 
 
@@ -53,10 +58,15 @@ FEATURES = (
     Feature("batch-invariant kernels", ("batch_invariant_mode",),
             ("megatron.core.transformer.custom_layers.batch_invariant_kernels",),
             "the kernels are triton programs sized by the GPU's streaming multiprocessors"),
-    Feature("Megatron-FSDP", ("use_megatron_fsdp", "use_custom_fsdp"),
-            ("megatron.core.distributed.fsdp", "megatron.core.transformer.fsdp_dtensor_checkpoint"),
-            "its buffers and RNG handling are written for CUDA devices and CUDA graphs",
-            ("megatron.core.distributed.fsdp.mcore_fsdp_adapter:FullyShardedDataParallel.__init__",)),
+    Feature("Megatron-FSDP's standalone fully_shard API", (),
+            ("megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard:fully_shard_model",
+             "megatron.core.distributed.fsdp.src.megatron_fsdp.utils:_get_cuda_rng_state",
+             "megatron.core.distributed.fsdp.src.megatron_fsdp.utils:initialize_rng_tracker",
+             "megatron.core.distributed.fsdp.src.megatron_fsdp.experimental.parameter_group"),
+            "it builds its device mesh with init_device_mesh('cuda') and its RNG tracker and experimental "
+            "parameter groups on CUDA graphs and CUDA memory pools; megatron's FullyShardedDataParallel "
+            "(--use-megatron-fsdp) runs on every backend",
+            ("megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard:fully_shard_model",)),
     Feature("torch FSDP2 through megatron", ("use_torch_fsdp2",),
             ("megatron.core.distributed.torch_fully_sharded_data_parallel",),
             "megatron builds its device mesh on 'cuda'",

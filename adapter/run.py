@@ -46,7 +46,7 @@ from pathlib import Path
 import adapter  # the backend and the patch table, before anything imports megatron
 from adapter.core_source import (CHECKOUT, installed_megatron_core, megatron_lm_checkout, megatron_training,
                                  prefer_installed_megatron_core)
-from adapter.cuda_only_features import CudaOnlyFeatureError
+from adapter.cuda_only_features import RefusedSetting
 
 HOOK_DIR = Path(__file__).resolve().parent / "_spawn_hook"
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # where ``import adapter`` finds the adapter
@@ -130,7 +130,7 @@ def run_refusing(script: Path) -> int:
     ``REFUSED`` on every rank."""
     try:
         run_routed(script)
-    except CudaOnlyFeatureError as exc:
+    except RefusedSetting as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr, flush=True)
         _leave_groups()

@@ -58,11 +58,14 @@ def backend_collectives(validate_args):
 def one_connection_off_cuda(validate_args):
     """With TP or CP > 1 before Blackwell, validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 (ordering of
     CUDA kernel queues for overlapped communication). Off CUDA the variable means nothing, so it is set
-    when unset, which is what the assertion asks for."""
+    when unset, which is what the assertion asks for; except with Megatron-FSDP or torch FSDP2, which assert
+    the opposite (and with TP only warn)."""
 
     @functools.wraps(validate_args)
     def validate(*args, **kwargs):
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        namespace = args[0] if args else kwargs.get("args")
+        if not (getattr(namespace, "use_megatron_fsdp", False) or getattr(namespace, "use_torch_fsdp2", False)):
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         return validate_args(*args, **kwargs)
 
     return validate

@@ -57,12 +57,21 @@ AS_WRITTEN = {
     "megatron.training.gpu_sniff_test:main":
         "the standalone entry point of a GPU benchmark (torchrun megatron/training/gpu_sniff_test.py), run by "
         "hand on a GPU machine; training reaches only run_gpu_sniff_test, whose sites are routed",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer:"
+    "ParamAndGradBuffer._init_each_parameter_group_buffers 'cuda'":
+        "a device-type test counting parameters for a log line; off CUDA they count as host parameters",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer:check_gpu_memory":
+        "after torch.cuda.is_available() (the device layer's): on cpu it answers False and nothing else runs",
     "megatron.training.arguments:_add_rl_args 'nccl'":
         "a choice of --refit-method; see megatron.core.resharding.refit",
 }
 
 # site key -> registry target whose patch answers it (the inventory test checks it is registered)
 PATCHED = {
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter:FullyShardedDataParallel._init_dist_index 'cuda'":
+        "megatron.core.distributed.fsdp.mcore_fsdp_adapter:DeviceMesh",
+    "megatron.core.transformer.fsdp_dtensor_checkpoint:validate_loaded_state_dict 'cuda'":
+        "megatron.core.transformer.fsdp_dtensor_checkpoint:DeviceMesh",
     "megatron.core.dist_checkpointing.exchange_utils:_get_empty_tensor_for_exchange 'cuda'":
         "megatron.core.dist_checkpointing.mapping:ShardedTensor.init_data",
     # megatron.training.utils became a package in 0.18; the patch rebinds every copy of the function

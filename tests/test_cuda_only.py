@@ -17,7 +17,7 @@ TRANSFORMER = [("enable_cuda_graph", True), ("external_cuda_graph", True), ("cud
                ("fine_grained_activation_offloading", True), ("symmetric_ar_type", "two_shot"),
                ("use_inference_optimized_layers", True), ("tp_comm_overlap", True),
                ("moe_token_dispatcher_type", "flex")]
-DDP = [("use_megatron_fsdp", True), ("use_custom_fsdp", True), ("nccl_ub", True)]
+DDP = [("nccl_ub", True)]  # Megatron-FSDP runs off CUDA: tests/test_sharding.py
 ARGS_ONLY = [("use_torch_fsdp2", True), ("refit_method", "nvshmem"), ("record_memory_history", True),
              ("profile", True), ("optimizer_cuda_graph", True)]
 
@@ -56,6 +56,7 @@ def test_megatron_lm_arguments_are_refused_before_validate_args_runs(setting, va
 def test_defaults_and_the_ways_that_run_off_cuda_are_not_refused():
     TransformerConfig(**TINY, cuda_graph_impl="none")
     DistributedDataParallelConfig(use_distributed_optimizer=True)
+    DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params")
     validate = refuse_configured(lambda args: "validated")
     args = types.SimpleNamespace(profile=True, use_pytorch_profiler=True, refit_method="gloo", fp8=None)
     assert validate(args) == "validated"

@@ -1,0 +1,22 @@
+"""Sharded data parallelism off CUDA, the registry entries: the DeviceMesh that Megatron-FSDP's adapter and
+its checkpoint's validation build on ``"cuda"`` is built on this backend's device type
+(``adapter/sharding.py``)."""
+
+from __future__ import annotations
+
+from adapter import sharding
+
+OFF_CUDA = ("cpu", "npu")
+_FSDP_BUFFER = "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"
+MESH_USERS = ("megatron.core.distributed.fsdp.mcore_fsdp_adapter", "megatron.core.transformer.fsdp_dtensor_checkpoint")
+
+
+def register(registry, versions: str) -> None:
+    for module in MESH_USERS:
+        registry.replace(f"{module}:DeviceMesh", sharding.RoutedDeviceMesh, versions=versions, backends=OFF_CUDA,
+                         rebind_copies=False,
+                         reason="the FSDP device mesh is built on 'cuda'; DTensor puts shards on the mesh's device")
+    registry.wrap(f"{_FSDP_BUFFER}:gradient_reduce_preprocessing", sharding.scaled_before_sum, versions=versions,
+                  backends=OFF_CUDA, reason="NCCL's pre-multiplied sum: gloo and HCCL sum the scaled gradients")
+    registry.wrap("megatron.training.arguments:validate_args", sharding.refuse_fsdp_save, versions=versions,
+                  backends=OFF_CUDA, reason="a Megatron-FSDP save does not finish off CUDA yet: refused first")

@@ -1,0 +1,41 @@
+"""Megatron-FSDP off CUDA, through megatron-core directly: the tiny GPT wrapped in megatron's
+FullyShardedDataParallel (``optim_grads_params``) at DP2 and TP2 x DP2 on the cpu backend trains the loss curve
+of DDP with the distributed optimizer (the reference), while each rank holds half the parameter and gradient
+bytes and the optimizer state the distributed optimizer holds (both shard it over DP)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from adapter import sharding
+from adapter.cuda_only_features import RefusedSetting
+
+from scripts.train_tiny_gpt import Run
+from tests.distributed import run_ranks
+from tests.sharding_ranks import train
+
+
+
+def test_a_megatron_fsdp_run_that_saves_is_refused_in_one_line_and_one_that_does_not_passes():
+    validate = sharding.refuse_fsdp_save(lambda args: "validated")
+    with pytest.raises(RefusedSetting, match=r"^--use-megatron-fsdp with --save ckpt: saving a Megatron-FSDP "
+                                             r"checkpoint is not supported off CUDA yet .*--use-distributed-optimizer"):
+        validate(argparse.Namespace(use_megatron_fsdp=True, save="ckpt"))
+    assert validate(argparse.Namespace(use_megatron_fsdp=True, save=None)) == "validated"
+    assert validate(argparse.Namespace(use_megatron_fsdp=False, save="ckpt")) == "validated"
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_fsdp_trains_the_distributed_optimizer_curve_on_half_the_bytes(tp):
+    run = Run(tp=tp, steps=10)
+    reference, sharded = run_ranks(2 * tp, train, run, False), run_ranks(2 * tp, train, run, True)
+    for ref, fsdp in zip(reference, sharded):
+        assert len(fsdp["losses"]) == 10
+        assert max(abs(a - b) for a, b in zip(ref["losses"], fsdp["losses"])) <= 1e-5
+        assert fsdp["param_bytes"] <= ref["param_bytes"] / 2 + 4096  # DP2 shards, padded to its alignment
+        assert fsdp["grad_bytes"] <= ref["grad_bytes"] / 2 + 4096
+        assert fsdp["optimizer_bytes"] <= ref["optimizer_bytes"] + 4096
