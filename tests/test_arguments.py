@@ -147,12 +147,79 @@ def test_a_tracker_naming_a_missing_iteration_is_refused_naming_the_newest_compl
         "to resume from it")
 
 
+def refused_line(argv: list[str], capsys) -> str:
+    """The one stderr line ``parse_args`` refuses ``argv`` with (exit status 2, no usage)."""
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(argv)
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and len(err.splitlines()) == 1 and "usage:" not in err, err
+    assert err.startswith("error: ")
+    return err.removeprefix("error: ")
+
+
+def _megatron_lm_parser():
+    from adapter.training.megatron_lm_flags import megatron_lm_parser
+
+    parser = megatron_lm_parser()
+    if parser is None:
+        pytest.skip("megatron.training (Megatron-LM's parser) is not importable")
+    return parser
+
+
+def test_megatron_lm_flags_the_flow_lacks_are_refused_in_one_line_naming_adapter_run(capsys):
+    """The flags come from Megatron-LM's own parser: any of its options this flow lacks (not a CUDA library's)
+    is refused in one line naming the flag and ``-m adapter.run``."""
+    from adapter import cuda_only_features
+    from adapter.training.arguments import build_parser
+
+    ours = set(build_parser()._option_string_actions)
+    cuda_only = {setting for feature in cuda_only_features.FEATURES for setting in feature.settings}
+    theirs = _megatron_lm_parser()._option_string_actions
+    switches = sorted(flag for flag, action in theirs.items() if flag.startswith("--") and flag not in ours
+                      and action.nargs == 0 and action.dest not in cuda_only)
+    assert len(switches) > 100 and ("--tp-comm-overlap" in switches or "tp_comm_overlap" in cuda_only)
+    for flag in switches:
+        line = refused_line([*TINY, flag], capsys)
+        assert line.startswith(f"{flag}: Megatron-LM's flag") and "-m adapter.run" in line, line
+    line = refused_line([*TINY, "--lr-decay-samples", "10", "--async-save"], capsys)
+    assert line.startswith("--lr-decay-samples --async-save: Megatron-LM's flags"), line
+    # a value only Megatron-LM's flag takes
+    line = refused_line([*TINY, "--ckpt-format", "torch"], capsys)
+    assert line.startswith("--ckpt-format torch: Megatron-LM's value") and "-m adapter.run" in line, line
+
+
+def test_cuda_library_flags_get_the_cuda_only_refusal_megatron_lms_flow_gives(capsys):
+    """Off CUDA, a flag turning on a feature of ``cuda_only_features.FEATURES`` is refused with that
+    feature's ``refusal()`` text, whatever the flow."""
+    import adapter
+    from adapter import cuda_only_features
+
+    if adapter.current_backend().name == "cuda":
+        pytest.skip("on CUDA these are megatron's own features")
+    _megatron_lm_parser()
+    features = {name: feature for feature in cuda_only_features.FEATURES for name in feature.settings}
+    for given, dest in ((["--fp8-format", "hybrid"], "fp8"), (["--cuda-graph-impl", "local"], "cuda_graph_impl"),
+                        (["--use-nccl-ub"], "nccl_ub"), (["--symmetric-ar-type", "two_shot"], "symmetric_ar_type")):
+        line = refused_line([*TINY, *given], capsys)
+        assert line == str(cuda_only_features.refusal(features[dest], " ".join(given))), line
+
+
+def test_a_flag_no_parser_knows_keeps_argparses_error(capsys):
+    _megatron_lm_parser()
+    for extra in (["--no-such-flag"], ["--manual-gc", "--no-such-flag"]):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args([*TINY, *extra])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and "usage:" in err and "unrecognized arguments: " in err, err
+
+
 # one refusal per stage a launch reaches (the model named, the tokenizer built, the data opened), and the
 # command line itself: each costs two fresh interpreters
 LAUNCHED = [REFUSED[i] for i in (0, 8, 15)] + [
     ([*TINY, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", "/no/such.model"], 2,
      "--tokenizer-model '/no/such.model' is not a file"),
     ([*TINY, "--no-such-flag"], 2, "usage: "),
+    ([*TINY, "--tp-comm-overlap"], 2, "--tp-comm-overlap: Megatron-LM's flag, which this flow"),
 ]
 
 

@@ -3,8 +3,9 @@ meanings, validated before anything is built.
 
 Architecture arguments default to None: ``--model NAME`` (``models.names()``) supplies them and any given
 one overrides it (``models.provider.config_from_args``). An argument Megatron-LM has and this flow does not
-is refused by argparse ("unrecognized arguments"), never silently ignored; a combination that cannot run
-is one ``ArgumentError`` naming the values and the fix.
+is refused in one line naming ``python -m adapter.run``, where Megatron-LM's own pretrain_gpt.py takes it
+(``megatron_lm_flags``), never silently ignored; one no parser knows is argparse's "unrecognized arguments";
+a combination that cannot run is one ``ArgumentError`` naming the values and the fix.
 """
 
 from __future__ import annotations
@@ -315,6 +316,19 @@ class _Parser(argparse.ArgumentParser):
             print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
+    def _check_value(self, action: argparse.Action, value) -> None:
+        """A value outside this flow's choices that Megatron-LM's flag takes (``--moe-token-dispatcher-type
+        flex``) is refused in one line naming where it runs, as a flag this flow lacks is."""
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError:
+            from adapter.training.megatron_lm_flags import value_refusal
+
+            line = value_refusal(action.option_strings[-1], value, action.choices) if action.option_strings else None
+            if line is not None:
+                refuse(ArgumentError(line))
+            raise
+
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = _Parser(description="Megatron-LM-style pretraining through the device adapter",
@@ -330,7 +344,15 @@ def parse_args(argv=None, extra_args_provider=None, defaults: dict | None = None
     parser = build_parser(extra_args_provider)
     if defaults:
         parser.set_defaults(**defaults)
-    return parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        from adapter.training.megatron_lm_flags import refusal_for
+
+        line = refusal_for(unknown)
+        if line is None:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        refuse(ArgumentError(line))
+    return args
 
 
 def refuse(exc: Exception) -> NoReturn:
