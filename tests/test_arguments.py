@@ -16,6 +16,7 @@ TINY = ["--model", "qwen2.5-tiny", *BASE]
 BARE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
         "--seq-length", "32", "--vocab-size", "256", *BASE]
 
+MOE = ["--model", "qwen3-moe-tiny", *BASE]
 # (arguments, world size, the message's start)
 REFUSED = [
     (["--model", "qwen9-huge", *BASE], 2, "--model qwen9-huge: unknown model 'qwen9-huge': known models are"),
@@ -66,6 +67,14 @@ REFUSED = [
     ([*TINY, "--exit-signal", "SIGKILL"], 2, "--exit-signal SIGKILL: not a signal a process can catch"),
     ([*TINY, "--exit-duration-in-mins", "0"], 2, "--exit-duration-in-mins 0.0: must be positive"),
     ([*TINY, "--error-injection-rate", "-1"], 2, "--error-injection-rate -1: must be zero or more"),
+    ([*TINY, "--manual-gc", "--manual-gc-interval", "-1"], 2, "--manual-gc-interval -1: must be zero or more"),
+    ([*TINY, "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"], 2,
+     "--moe-router-group-topk, --moe-router-num-groups for a dense model: pass --num-experts N"),
+    ([*MOE, "--moe-router-num-groups", "4"], 2, "--moe-router-num-groups and --moe-router-group-topk go together"),
+    ([*MOE, "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 2,
+     "--moe-router-num-groups 3 does not divide the 8 experts"),
+    ([*MOE, "--moe-router-num-groups", "4", "--moe-router-group-topk", "3"], 2,
+     "--moe-router-group-topk 3: must be at most --moe-router-num-groups 4 and divide --moe-router-topk 2"),
 ]
 
 
@@ -79,6 +88,27 @@ def assert_refused(argv: list[str], world: int, message: str) -> None:
 @pytest.mark.parametrize("argv, world, message", REFUSED, ids=[m[:40] for _, _, m in REFUSED])
 def test_each_refusal_names_the_value_and_the_fix(argv, world, message):
     assert_refused(argv, world, message)
+
+
+def test_megatron_lm_training_flags_reach_megatrons_config_with_their_meanings():
+    """What transformer_config_overrides hands the model provider: Megatron-LM's TransformerConfig fields of
+    the same names; transformer_engine is Megatron-LM's default spelling of the spec, accepted."""
+    from adapter.training.pretrain import transformer_config_overrides
+
+    args = validate_args(parse_args([*TINY, "--recompute-granularity", "selective", "--recompute-modules",
+                                     "core_attn", "mlp", "--calculate-per-token-loss", "--transformer-impl",
+                                     "transformer_engine"]), 2)
+    overrides = transformer_config_overrides(args)
+    assert (overrides["recompute_granularity"], overrides["recompute_modules"]) == ("selective", ["core_attn", "mlp"])
+    assert overrides["calculate_per_token_loss"] and args.transformer_impl == "transformer_engine"
+    assert "recompute_modules" not in transformer_config_overrides(validate_args(parse_args(
+        [*TINY, "--recompute-granularity", "selective"]), 2))  # megatron's default, core_attn
+    args = validate_args(parse_args([*MOE, "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"]), 2)
+    overrides = transformer_config_overrides(args)
+    assert (overrides["moe_router_num_groups"], overrides["moe_router_group_topk"]) == (4, 2)
+    args = validate_args(parse_args(TINY), 2)
+    assert (args.manual_gc, args.manual_gc_interval, args.manual_gc_eval, args.calculate_per_token_loss) == (
+        False, 0, True, False)
 
 
 def test_a_named_qwen3_carries_its_head_size_and_qk_norm_and_kv_channels_sets_one():

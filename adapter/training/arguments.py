@@ -52,8 +52,9 @@ def _model(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--transformer-impl", choices=["local"], default="local",
-                   help="the adapter's layer spec (its kernel provider picks TE, torch_npu or torch kernels)")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="the adapter's layer spec (its kernel provider picks TE, torch_npu or torch kernels); "
+                        "transformer_engine, Megatron-LM's default spelling, is the same spec here")
     g.add_argument("--use-flash-attn", action="store_true",
                    help="accepted for Megatron-LM scripts: the kernel provider's core attention is always the "
                         "fused one where the device has it")
@@ -171,6 +172,9 @@ def _moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
     g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"])
     g.add_argument("--moe-per-layer-logging", action="store_true")
+    g.add_argument("--moe-router-num-groups", type=int,
+                   help="group-limited routing: the experts fall into this many equal groups (DeepSeek-V3: 8)")
+    g.add_argument("--moe-router-group-topk", type=int, help="the groups each token's experts are drawn from")
 
 
 # Megatron-LM's --cp-comm-type values; the adapter's CP attention runs the first two
@@ -230,6 +234,17 @@ def _training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
     g.add_argument("--recompute-method", choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int)
+    g.add_argument("--recompute-modules", nargs="+",
+                   help="with --recompute-granularity selective: the submodules megatron recomputes (default "
+                        "core_attn; megatron's TransformerConfig lists the others)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss averages over every token of the global batch, not per micro-batch first")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector runs between steps only, at the same time on every rank")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: collect every this many iterations (0: only around evaluations)")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="with --manual-gc: no collection before and after each evaluation")
     g.add_argument("--seed", type=int, default=1234)
 
 
@@ -402,12 +417,13 @@ POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "conte
             "norm_epsilon", "make_vocab_size_divisible_by", "ddp_bucket_size", "distributed_timeout_minutes",
             "log_interval", "eval_interval", "save_interval", "exit_interval", "loss_scale", "initial_loss_scale",
             "loss_scale_window", "recompute_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size",
-            "moe_ffn_hidden_size", "moe_router_topk", "kv_channels", "exit_duration_in_mins")
+            "moe_ffn_hidden_size", "moe_router_topk", "kv_channels", "exit_duration_in_mins",
+            "moe_router_num_groups", "moe_router_group_topk")
 NOT_NEGATIVE = ("train_iters", "lr", "min_lr", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction",
                 "lr_warmup_init", "weight_decay", "clip_grad", "eval_iters", "num_workers", "hidden_dropout",
                 "attention_dropout", "init_method_std", "hysteresis", "min_loss_scale", "num_experts",
                 "moe_shared_expert_intermediate_size", "moe_z_loss_coeff", "moe_router_bias_update_rate",
-                "error_injection_rate")
+                "error_injection_rate", "manual_gc_interval")
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
@@ -544,7 +560,23 @@ def _check_experts(args: argparse.Namespace) -> None:
     if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor < 0:
         args.moe_expert_capacity_factor = None  # Megatron-LM's meaning of a negative factor: drop no token
     _check_load_balancing(args)
+    _check_group_limited_routing(args)
     args.expert_tensor_parallel_size = args.expert_tensor_parallel_size or tp
+
+
+def _check_group_limited_routing(args: argparse.Namespace) -> None:
+    """Megatron's group-limited top-k: the experts split into --moe-router-num-groups equal groups, each token
+    picks --moe-router-group-topk of them and its top-k experts spread evenly over those."""
+    groups, picked = args.moe_router_num_groups, args.moe_router_group_topk
+    if groups is None and picked is None:
+        return
+    experts, topk = args.model_config.num_experts, args.model_config.moe_router_topk
+    _require(groups is not None and picked is not None,
+             "--moe-router-num-groups and --moe-router-group-topk go together: give both")
+    _require(experts % groups == 0, f"--moe-router-num-groups {groups} does not divide the {experts} experts")
+    _require(picked <= groups and topk % picked == 0,
+             f"--moe-router-group-topk {picked}: must be at most --moe-router-num-groups {groups} and divide "
+             f"--moe-router-topk {topk}")
 
 
 def _check_load_balancing(args: argparse.Namespace) -> None:

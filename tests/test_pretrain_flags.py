@@ -1,0 +1,76 @@
+"""Megatron-LM's flags the pretrain flow takes with Megatron-LM's meanings, each against the flow without it
+on 2 gloo ranks: selective recompute of core attention and ``--transformer-impl transformer_engine`` (the
+adapter's spec where TE is not importable) train the same curve bit for bit, per-token loss the same curve
+where every micro-batch holds the same number of tokens, and ``--manual-gc`` turns Python's collector off and
+collects every ``--manual-gc-interval`` iterations. Refusals of the flags the flow lacks: tests/test_arguments.py."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.pretrain_ranks import logged_losses, run_pretrain, run_pretrain_printing
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+# DP2, two micro-batches of 2 per rank and step; no dropout, so a recomputed forward is the same forward
+ARGV = ["--model", "qwen2.5-tiny", "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "32",
+        "--train-iters", "4", "--lr", "3e-3", "--lr-warmup-iters", "1", "--mock-data", "--log-interval", "1",
+        "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[int, float]:
+    return logged_losses(run_ranks(2, run_pretrain, ARGV))
+
+
+def test_selective_recompute_of_core_attention_under_megatron_lms_default_impl_trains_the_same_curve(reference):
+    """--recompute-modules reaches megatron's TransformerConfig (core_attn, megatron's default module);
+    --transformer-impl transformer_engine without TE runs the adapter's spec and says so once, on rank 0."""
+    results = run_ranks(2, run_pretrain_printing, [*ARGV, "--recompute-granularity", "selective",
+                                                   "--recompute-modules", "core_attn",
+                                                   "--transformer-impl", "transformer_engine"])
+    assert logged_losses(results) == reference
+    said = [[line for line in r["stdout"].splitlines() if "--transformer-impl transformer_engine" in line]
+            for r in results]
+    assert len(said[0]) == 1 and said[1] == [], said
+    assert "Transformer Engine is not importable" in said[0][0]
+
+
+def test_per_token_loss_over_equal_micro_batches_trains_the_same_curve(reference):
+    """Every micro-batch holds 2 x 32 unmasked tokens, so the mean over the global batch's tokens equals the
+    mean of the micro-batch means (up to the order of the float sums)."""
+    per_token = logged_losses(run_ranks(2, run_pretrain, [*ARGV, "--calculate-per-token-loss"]))
+    assert sorted(per_token) == sorted(reference)
+    for iteration, loss in reference.items():
+        assert per_token[iteration] == pytest.approx(loss, abs=1e-5)
+
+
+def pretrain_counting_collections(argv: list[str]) -> dict:
+    """run_pretrain, counting the full collections that run while the collector is off (only explicit
+    ``gc.collect()`` calls run then; torch.compile's own ``gc.collect(1)`` are not full ones) and whether the
+    collector is on again after training."""
+    explicit = []
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start" and not gc.isenabled() and info["generation"] == 2:
+            explicit.append(info["generation"])
+
+    gc.callbacks.append(note)
+    try:
+        run_pretrain(argv)
+    finally:
+        gc.callbacks.remove(note)
+    return {"explicit": explicit, "enabled_after": gc.isenabled()}
+
+
+def test_manual_gc_turns_the_collector_off_and_collects_every_interval():
+    """Megatron-LM's meaning: the collector off from the first iteration, one full collection as it goes
+    off and one after every --manual-gc-interval-th iteration (4 iterations, interval 2: at 2 and 4)."""
+    [manual] = run_ranks(1, pretrain_counting_collections, [*ARGV, "--global-batch-size", "4", "--manual-gc",
+                                                            "--manual-gc-interval", "2"])
+    assert manual == {"explicit": [2, 2, 2], "enabled_after": True}
+    [default] = run_ranks(1, pretrain_counting_collections, [*ARGV, "--global-batch-size", "4"])
+    assert default == {"explicit": [], "enabled_after": True}
