@@ -74,3 +74,44 @@ def test_manual_gc_turns_the_collector_off_and_collects_every_interval():
     assert manual == {"explicit": [2, 2, 2], "enabled_after": True}
     [default] = run_ranks(1, pretrain_counting_collections, [*ARGV, "--global-batch-size", "4"])
     assert default == {"explicit": [], "enabled_after": True}
+
+
+def pretrain_counting_layers(argv: list[str]) -> dict:
+    """run_pretrain, with the number of transformer layers this rank's model chunk holds."""
+    import torch
+    from megatron.core.enums import ModelType
+
+    from adapter.training import pretrain as flow
+    from adapter.training.data import train_valid_test_datasets_provider
+    from adapter.training.gpt_step import forward_step, model_provider
+
+    built = []
+
+    def counting(**kwargs):
+        model = model_provider(**kwargs)
+        built.append(len(model.decoder.layers))
+        return model
+
+    history = flow.pretrain(train_valid_test_datasets_provider, counting, ModelType.encoder_or_decoder,
+                            forward_step, argv=argv)
+    torch.distributed.destroy_process_group()
+    return {**history, "layers": built}
+
+
+PP2 = [*ARGV, "--pipeline-model-parallel-size", "2"]
+
+
+def test_an_uneven_pipeline_split_builds_the_stages_it_names_and_trains():
+    """Megatron-LM's --decoder-first-pipeline-num-layers: 1 layer on the first stage, the other 3 on the
+    last, and it trains (each stage draws its initial weights from its own stream, so the curve is not the
+    even split's). --account-for-embedding-in-pipeline-split over 5 layers: the embedding counts as one layer
+    of the first stage, 2 + 3, the split --decoder-first-pipeline-num-layers 2 gives, bit for bit."""
+    uneven = run_ranks(2, pretrain_counting_layers, [*PP2, "--decoder-first-pipeline-num-layers", "1"])
+    assert [r["layers"] for r in uneven] == [[1], [3]]
+    curve = logged_losses(uneven)
+    assert sorted(curve) == [1, 2, 3, 4] and curve[4] < curve[1]
+    five = [*PP2, "--num-layers", "5"]
+    embedding = run_ranks(2, pretrain_counting_layers, [*five, "--account-for-embedding-in-pipeline-split"])
+    first = run_ranks(2, pretrain_counting_layers, [*five, "--decoder-first-pipeline-num-layers", "2"])
+    assert [r["layers"] for r in embedding] == [r["layers"] for r in first] == [[2], [3]]
+    assert logged_losses(embedding) == logged_losses(first)

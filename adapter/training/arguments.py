@@ -18,7 +18,7 @@ import sys
 from typing import NoReturn
 
 import models
-from adapter.parallel import ModelShape, ParallelConfigError, check_sizes
+from adapter.parallel import ModelShape, ParallelConfigError, PipelineSplit, check_sizes
 from models import checkpoint_dir
 
 
@@ -188,6 +188,13 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int,
+                   help="an uneven split: the first pipeline stage's layers (the others share the rest evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, help="an uneven split: the last stage's layers")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="the first stage holds one layer fewer, the embedding counted as one")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="the last stage holds one layer fewer, the output layer and loss counted as one")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--cp-comm-type", nargs="+", choices=CP_COMM_TYPES, default=["p2p"],
                    help="how the CP ranks exchange attention work: p2p (ring attention) or a2a (Ulysses); one "
@@ -418,7 +425,8 @@ POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "conte
             "log_interval", "eval_interval", "save_interval", "exit_interval", "loss_scale", "initial_loss_scale",
             "loss_scale_window", "recompute_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size",
             "moe_ffn_hidden_size", "moe_router_topk", "kv_channels", "exit_duration_in_mins",
-            "moe_router_num_groups", "moe_router_group_topk")
+            "moe_router_num_groups", "moe_router_group_topk", "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers")
 NOT_NEGATIVE = ("train_iters", "lr", "min_lr", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction",
                 "lr_warmup_init", "weight_decay", "clip_grad", "eval_iters", "num_workers", "hidden_dropout",
                 "attention_dropout", "init_method_std", "hysteresis", "min_loss_scale", "num_experts",
@@ -610,8 +618,15 @@ def _refuse_expert_arguments(args: argparse.Namespace) -> None:
 
 def _check_virtual_pipeline(args: argparse.Namespace) -> None:
     pp, model = args.pipeline_model_parallel_size, args.model_config
+    uneven = pipeline_split(args) != PipelineSplit()
+    _require(not uneven or pp > 1, "an uneven pipeline split (--decoder-first/last-pipeline-num-layers, "
+                                   "--account-for-*-in-pipeline-split) needs --pipeline-model-parallel-size > 1")
+    _require(not uneven or model.layer_types is None, "an uneven pipeline split of a hybrid model (its mixers and "
+                                                      "MLPs are megatron layers of their own): use the even split")
     if args.num_layers_per_virtual_pipeline_stage is not None:
         _require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        _require(not uneven, "--num-layers-per-virtual-pipeline-stage with an uneven pipeline split: give "
+                             "--virtual-pipeline-model-parallel-size instead (as Megatron-LM asks)")
         per_stage, per_chunk = model.num_layers // pp, args.num_layers_per_virtual_pipeline_stage
         _require(model.num_layers % pp == 0 and per_stage % per_chunk == 0,
                  f"{model.num_layers} layers over PP {pp} cannot be cut into virtual stages of {per_chunk} "
@@ -638,9 +653,17 @@ def _layout(args: argparse.Namespace, world_size: int | None, model: ModelShape 
         return check_sizes(world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                            vpp=vpp, cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
                            etp=args.expert_tensor_parallel_size, model=model,
-                           sequence_parallel=bool(args.sequence_parallel))
+                           sequence_parallel=bool(args.sequence_parallel),
+                           split=pipeline_split(args) if model is not None else PipelineSplit())
     except ParallelConfigError as exc:
         raise ArgumentError(str(exc)) from None
+
+
+def pipeline_split(args: argparse.Namespace) -> PipelineSplit:
+    """Megatron-LM's uneven pipeline split from its flags (the even split where none is given)."""
+    return PipelineSplit(first=args.decoder_first_pipeline_num_layers, last=args.decoder_last_pipeline_num_layers,
+                         embedding=args.account_for_embedding_in_pipeline_split,
+                         loss=args.account_for_loss_in_pipeline_split)
 
 
 def _check_batches(args: argparse.Namespace) -> None:

@@ -112,6 +112,10 @@ def transformer_config_overrides(args) -> dict:
         attention_softmax_in_fp32=True, use_cpu_initialization=not adapter.device.has_accelerator(),
         deallocate_pipeline_outputs=True, context_parallel_size=args.context_parallel_size,
         cp_comm_type=args.cp_comm_type, calculate_per_token_loss=args.calculate_per_token_loss,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         **recompute, **_moe_overrides(args))
 
 
