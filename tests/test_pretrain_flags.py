@@ -115,3 +115,30 @@ def test_an_uneven_pipeline_split_builds_the_stages_it_names_and_trains():
     first = run_ranks(2, pretrain_counting_layers, [*five, "--decoder-first-pipeline-num-layers", "2"])
     assert [r["layers"] for r in embedding] == [r["layers"] for r in first] == [[2], [3]]
     assert logged_losses(embedding) == logged_losses(first)
+
+
+def _bytes_by_rank(checkpoint) -> dict[int, int]:
+    """Bytes of torch_dist's data files per writing rank (``__<rank>_<n>.distcp``)."""
+    sizes: dict[int, int] = {}
+    for path in checkpoint.glob("__*.distcp"):
+        rank = int(path.name.split("_")[2])
+        sizes[rank] = sizes.get(rank, 0) + path.stat().st_size
+    return sizes
+
+
+def test_fully_parallel_save_shares_the_writing_and_a_fully_parallel_load_resumes_bit_exactly(tmp_path):
+    """At DP2 the first replica writes the whole model without --ckpt-fully-parallel-save; with it both
+    ranks write a part; the checkpoint, read back with --ckpt-fully-parallel-load, continues the curve."""
+    from models import checkpoint_dir
+    from tests.pretrain_ranks import stopped_at
+
+    plain, shared = tmp_path / "plain", tmp_path / "shared"
+    run_ranks(2, run_pretrain, [*ARGV, "--train-iters", "2", "--save", str(plain)])
+    reference = logged_losses(run_ranks(2, run_pretrain, [*ARGV, "--save", str(shared), "--save-interval", "2",
+                                                          "--ckpt-fully-parallel-save"]))
+    alone = _bytes_by_rank(plain / checkpoint_dir.checkpoint_name(2))
+    both = _bytes_by_rank(shared / checkpoint_dir.checkpoint_name(2))
+    assert alone[0] > 10 * alone.get(1, 0) and min(both[0], both[1]) > sum(both.values()) / 4, (alone, both)
+    resumed = logged_losses(run_ranks(2, run_pretrain, [*ARGV, "--load", str(stopped_at(shared, 2, tmp_path / "at2")),
+                                                        "--ckpt-fully-parallel-load"]))
+    assert resumed == {i: reference[i] for i in (3, 4)}

@@ -294,6 +294,12 @@ def _checkpointing(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true",
                    help="load the weights only and start at iteration 0")
     g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
+    g.add_argument("--ckpt-fully-parallel-save", action="store_true",
+                   help="the data-parallel replicas share the writing of a save (Megatron-LM's default; off by "
+                        "default here)")
+    g.add_argument("--no-ckpt-fully-parallel-save", action="store_false", dest="ckpt_fully_parallel_save")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="the data-parallel replicas share the reading of a load and exchange what they read")
     g.add_argument("--exit-interval", type=int, help="stop after the iteration divisible by this")
 
 
