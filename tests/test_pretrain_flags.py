@@ -142,3 +142,14 @@ def test_fully_parallel_save_shares_the_writing_and_a_fully_parallel_load_resume
     resumed = logged_losses(run_ranks(2, run_pretrain, [*ARGV, "--load", str(stopped_at(shared, 2, tmp_path / "at2")),
                                                         "--ckpt-fully-parallel-load"]))
     assert resumed == {i: reference[i] for i in (3, 4)}
+
+
+def test_group_limited_routing_over_every_group_is_plain_top_k_and_over_fewer_routes_otherwise():
+    """8 experts, top-2, --moe-router-num-groups 2 --moe-router-group-topk 2: both groups are kept, so
+    megatron's router picks the plain top-k (the curve without the flags, bit for bit); --moe-router-group-topk
+    1 keeps one group of 4 experts per token, another routing and another curve."""
+    moe = [*ARGV, "--model", "qwen3-moe-tiny", "--global-batch-size", "4", "--train-iters", "3"]
+    plain = logged_losses(run_ranks(1, run_pretrain, moe))
+    grouped = ["--moe-router-num-groups", "2", "--moe-router-group-topk"]
+    assert logged_losses(run_ranks(1, run_pretrain, [*moe, *grouped, "2"])) == plain
+    assert logged_losses(run_ranks(1, run_pretrain, [*moe, *grouped, "1"])) != plain
