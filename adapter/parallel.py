@@ -51,9 +51,22 @@ class ModelShape:
     linear_attention_heads: tuple[int, int] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineSplit:
+    """An uneven split of the layers over the pipeline stages, Megatron-LM's way (TransformerConfig's
+    ``num_layers_in_first_pipeline_stage`` / ``..._last_...``, or the embedding and the loss counted as one
+    layer each on the first and last stage); the default is the even split."""
+
+    first: int | None = None
+    last: int | None = None
+    embedding: bool = False
+    loss: bool = False
+
+
 def check_sizes(world_size: int | None, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                 etp: int | None = None, vpp: int | None = None, gtp: int = 1, egtp: int = 1,
-                model: ModelShape | None = None, sequence_parallel: bool = False) -> int | None:
+                model: ModelShape | None = None, sequence_parallel: bool = False,
+                split: PipelineSplit = PipelineSplit()) -> int | None:
     """The parallel-layout rules, in one place: refuse a layout that cannot work, with the bad value and the
     fix in the message; return the data-parallel size (None without a world size).
 
@@ -71,7 +84,7 @@ def check_sizes(world_size: int | None, *, tp: int = 1, pp: int = 1, cp: int = 1
         raise ParallelConfigError(f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1 (got {pp}). "
                                   "Drop the virtual pipeline size or use a pipeline.")
     if model is not None:
-        _check_model(model, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+        _check_model(model, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, pipeline_split=split)
         _check_linear_attention(model.linear_attention_heads, tp=tp, cp=cp)
         _check_sequence(model.seq_length, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
     if world_size is None:
@@ -93,7 +106,8 @@ def _divides_world(world_size: int, axes: list, fix: str) -> None:
                                   + f" parallel = {size}. " + fix.format(n=size))
 
 
-def _check_model(model: ModelShape, *, tp: int, pp: int, vpp: int | None, ep: int, etp: int) -> None:
+def _check_model(model: ModelShape, *, tp: int, pp: int, vpp: int | None, ep: int, etp: int,
+                 pipeline_split: PipelineSplit = PipelineSplit()) -> None:
     """Heads, query groups, vocabulary and MLP widths split over (expert) tensor parallelism, layers over
     pipeline stages, experts over expert parallelism."""
     split = [("num_attention_heads", tp, "tensor"), ("num_query_groups", tp, "tensor"),
@@ -107,7 +121,9 @@ def _check_model(model: ModelShape, *, tp: int, pp: int, vpp: int | None, ep: in
             raise ParallelConfigError(f"{kind} parallel size {size} does not divide {name}={value}: use {article} "
                                       f"{kind} parallel size that divides {value}")
     stages = pp * (vpp or 1)
-    if model.num_layers is not None and model.num_layers % stages:
+    if model.num_layers is not None and pipeline_split != PipelineSplit():
+        _check_uneven_split(model.num_layers, pp, vpp, pipeline_split)
+    elif model.num_layers is not None and model.num_layers % stages:
         raise ParallelConfigError(f"{model.num_layers} layers cannot be split evenly over pipeline ({pp}) x virtual "
                                   f"pipeline ({vpp or 1}) = {stages} stages: choose sizes whose product divides "
                                   f"{model.num_layers}")
@@ -116,6 +132,31 @@ def _check_model(model: ModelShape, *, tp: int, pp: int, vpp: int | None, ep: in
     if model.num_experts is not None and model.expert_bias and etp > 1:
         raise ParallelConfigError(f"expert tensor parallel size {etp} with add_bias_linear=True: megatron supports "
                                   "expert biases only at expert tensor parallel size 1")
+
+
+def _check_uneven_split(num_layers: int, pp: int, vpp: int | None, split: PipelineSplit) -> None:
+    """Megatron's rules for an uneven pipeline split (TransformerConfig's ``__post_init__``), refused before
+    the model is built: the given first / last stage sizes leave the middle stages an even share, each stage's
+    layers divide into the virtual stages; or, with the embedding / loss counted as layers, those divide."""
+    vpp = vpp or 1
+    if split.first is not None or split.last is not None:
+        if split.embedding or split.loss:
+            raise ParallelConfigError("the first / last pipeline stage's layer counts and the embedding or loss "
+                                      "counted in the split go apart: give one of them")
+        ends = [n for n in (split.first, split.last) if n is not None]
+        middle, stages = num_layers - sum(ends), pp - len(ends)
+        if any(n < 1 for n in ends) or middle < 0 or bool(middle) != bool(stages) or (stages and middle % stages) \
+                or any(n % vpp for n in ends) or (stages and (middle // stages) % vpp):
+            raise ParallelConfigError(
+                f"{num_layers} layers over pipeline {pp} x virtual pipeline {vpp} with first stage {split.first} and "
+                f"last stage {split.last} layers: the {middle} other layers must split evenly over the {stages} "
+                f"middle stages, and every stage's layers over the {vpp} virtual stages: change the stage sizes")
+        return
+    counted = num_layers + split.embedding + split.loss
+    if counted % pp or (counted // pp) % vpp:
+        raise ParallelConfigError(f"{num_layers} layers + {int(split.embedding) + int(split.loss)} (embedding / loss) "
+                                  f"= {counted} cannot be split evenly over pipeline ({pp}) x virtual pipeline ({vpp}) "
+                                  "stages: choose sizes whose product divides it")
 
 
 def _check_linear_attention(heads: tuple[int, int] | None, *, tp: int, cp: int) -> None:

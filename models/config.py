@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from adapter.parallel import ModelShape, ParallelConfigError, check_sizes
+from adapter.parallel import ModelShape, ParallelConfigError, PipelineSplit, check_sizes
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 # a hybrid model's token mixers (Hugging Face's layer_types): Gated DeltaNet, or softmax attention
@@ -233,12 +233,12 @@ class ModelConfig:
         return dataclasses.replace(self, **overrides)
 
     def check_layout(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
-                     etp: int | None = None, cp: int = 1) -> None:
+                     etp: int | None = None, cp: int = 1, split: PipelineSplit = PipelineSplit()) -> None:
         """Refuse a tensor/pipeline/expert/context layout megatron would fail on later, deep inside a layer:
         the rules are ``adapter.parallel.check_sizes``', over this model's ``shape``. ``etp`` (expert tensor
         parallel) defaults to ``tp``, as in megatron."""
         try:
-            check_sizes(None, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, model=self.shape())
+            check_sizes(None, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, model=self.shape(), split=split)
         except ParallelConfigError as exc:
             raise ModelConfigError(str(exc)) from None
 

@@ -20,6 +20,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from adapter.parallel import PipelineSplit
+
 from . import get as named_model
 from .config import HYBRID_FIELDS, ModelConfig, ModelConfigError
 from .hybrid import build_hybrid_model
@@ -68,8 +70,16 @@ def transformer_config(model: ModelConfig, **overrides) -> TransformerConfig:
     settings.update(overrides)
     model.check_layout(settings["tensor_model_parallel_size"], settings["pipeline_model_parallel_size"],
                        settings["virtual_pipeline_model_parallel_size"], settings.get("expert_model_parallel_size", 1),
-                       settings.get("expert_tensor_parallel_size"))
+                       settings.get("expert_tensor_parallel_size"), split=_pipeline_split(settings))
     return TransformerConfig(**settings)
+
+
+def _pipeline_split(settings: dict) -> PipelineSplit:
+    """The uneven pipeline split the TransformerConfig settings ask for (Megatron-LM's fields), if any."""
+    return PipelineSplit(first=settings.get("num_layers_in_first_pipeline_stage"),
+                         last=settings.get("num_layers_in_last_pipeline_stage"),
+                         embedding=bool(settings.get("account_for_embedding_in_pipeline_split")),
+                         loss=bool(settings.get("account_for_loss_in_pipeline_split")))
 
 
 def _moe_settings(model: ModelConfig) -> dict:

@@ -16,6 +16,7 @@ TINY = ["--model", "qwen2.5-tiny", *BASE]
 BARE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
         "--seq-length", "32", "--vocab-size", "256", *BASE]
 
+MOE = ["--model", "qwen3-moe-tiny", *BASE]
 # (arguments, world size, the message's start)
 REFUSED = [
     (["--model", "qwen9-huge", *BASE], 2, "--model qwen9-huge: unknown model 'qwen9-huge': known models are"),
@@ -66,6 +67,26 @@ REFUSED = [
     ([*TINY, "--exit-signal", "SIGKILL"], 2, "--exit-signal SIGKILL: not a signal a process can catch"),
     ([*TINY, "--exit-duration-in-mins", "0"], 2, "--exit-duration-in-mins 0.0: must be positive"),
     ([*TINY, "--error-injection-rate", "-1"], 2, "--error-injection-rate -1: must be zero or more"),
+    ([*TINY, "--manual-gc", "--manual-gc-interval", "-1"], 2, "--manual-gc-interval -1: must be zero or more"),
+    ([*TINY, "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"], 2,
+     "--moe-router-group-topk, --moe-router-num-groups for a dense model: pass --num-experts N"),
+    ([*TINY, "--decoder-first-pipeline-num-layers", "1"], 2,
+     "an uneven pipeline split (--decoder-first/last-pipeline-num-layers, --account-for-*-in-pipeline-split) needs"),
+    ([*TINY, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3",
+      "--decoder-last-pipeline-num-layers", "2"], 2,
+     "4 layers over pipeline 2 x virtual pipeline 1 with first stage 3 and last stage 2 layers: the -1 other"),
+    ([*TINY, "--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split"], 2,
+     "4 layers + 1 (embedding / loss) = 5 cannot be split evenly over pipeline (2) x virtual pipeline (1)"),
+    ([*TINY, "--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split",
+      "--decoder-last-pipeline-num-layers", "2"], 2, "the first / last pipeline stage's layer counts and the"),
+    ([*TINY, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
+      "--num-layers-per-virtual-pipeline-stage", "1"], 2,
+     "--num-layers-per-virtual-pipeline-stage with an uneven pipeline split"),
+    ([*MOE, "--moe-router-num-groups", "4"], 2, "--moe-router-num-groups and --moe-router-group-topk go together"),
+    ([*MOE, "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 2,
+     "--moe-router-num-groups 3 does not divide the 8 experts"),
+    ([*MOE, "--moe-router-num-groups", "4", "--moe-router-group-topk", "3"], 2,
+     "--moe-router-group-topk 3: must be at most --moe-router-num-groups 4 and divide --moe-router-topk 2"),
 ]
 
 
@@ -79,6 +100,27 @@ def assert_refused(argv: list[str], world: int, message: str) -> None:
 @pytest.mark.parametrize("argv, world, message", REFUSED, ids=[m[:40] for _, _, m in REFUSED])
 def test_each_refusal_names_the_value_and_the_fix(argv, world, message):
     assert_refused(argv, world, message)
+
+
+def test_megatron_lm_training_flags_reach_megatrons_config_with_their_meanings():
+    """What transformer_config_overrides hands the model provider: Megatron-LM's TransformerConfig fields of
+    the same names; transformer_engine is Megatron-LM's default spelling of the spec, accepted."""
+    from adapter.training.pretrain import transformer_config_overrides
+
+    args = validate_args(parse_args([*TINY, "--recompute-granularity", "selective", "--recompute-modules",
+                                     "core_attn", "mlp", "--calculate-per-token-loss", "--transformer-impl",
+                                     "transformer_engine"]), 2)
+    overrides = transformer_config_overrides(args)
+    assert (overrides["recompute_granularity"], overrides["recompute_modules"]) == ("selective", ["core_attn", "mlp"])
+    assert overrides["calculate_per_token_loss"] and args.transformer_impl == "transformer_engine"
+    assert "recompute_modules" not in transformer_config_overrides(validate_args(parse_args(
+        [*TINY, "--recompute-granularity", "selective"]), 2))  # megatron's default, core_attn
+    args = validate_args(parse_args([*MOE, "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"]), 2)
+    overrides = transformer_config_overrides(args)
+    assert (overrides["moe_router_num_groups"], overrides["moe_router_group_topk"]) == (4, 2)
+    args = validate_args(parse_args(TINY), 2)
+    assert (args.manual_gc, args.manual_gc_interval, args.manual_gc_eval, args.calculate_per_token_loss) == (
+        False, 0, True, False)
 
 
 def test_a_named_qwen3_carries_its_head_size_and_qk_norm_and_kv_channels_sets_one():
@@ -147,12 +189,79 @@ def test_a_tracker_naming_a_missing_iteration_is_refused_naming_the_newest_compl
         "to resume from it")
 
 
+def refused_line(argv: list[str], capsys) -> str:
+    """The one stderr line ``parse_args`` refuses ``argv`` with (exit status 2, no usage)."""
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(argv)
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and len(err.splitlines()) == 1 and "usage:" not in err, err
+    assert err.startswith("error: ")
+    return err.removeprefix("error: ")
+
+
+def _megatron_lm_parser():
+    from adapter.training.megatron_lm_flags import megatron_lm_parser
+
+    parser = megatron_lm_parser()
+    if parser is None:
+        pytest.skip("megatron.training (Megatron-LM's parser) is not importable")
+    return parser
+
+
+def test_megatron_lm_flags_the_flow_lacks_are_refused_in_one_line_naming_adapter_run(capsys):
+    """The flags come from Megatron-LM's own parser: any of its options this flow lacks (not a CUDA library's)
+    is refused in one line naming the flag and ``-m adapter.run``."""
+    from adapter import cuda_only_features
+    from adapter.training.arguments import build_parser
+
+    ours = set(build_parser()._option_string_actions)
+    cuda_only = {setting for feature in cuda_only_features.FEATURES for setting in feature.settings}
+    theirs = _megatron_lm_parser()._option_string_actions
+    switches = sorted(flag for flag, action in theirs.items() if flag.startswith("--") and flag not in ours
+                      and action.nargs == 0 and action.dest not in cuda_only)
+    assert len(switches) > 100 and ("--tp-comm-overlap" in switches or "tp_comm_overlap" in cuda_only)
+    for flag in switches:
+        line = refused_line([*TINY, flag], capsys)
+        assert line.startswith(f"{flag}: Megatron-LM's flag") and "-m adapter.run" in line, line
+    line = refused_line([*TINY, "--lr-decay-samples", "10", "--async-save"], capsys)
+    assert line.startswith("--lr-decay-samples --async-save: Megatron-LM's flags"), line
+    # a value only Megatron-LM's flag takes
+    line = refused_line([*TINY, "--ckpt-format", "torch"], capsys)
+    assert line.startswith("--ckpt-format torch: Megatron-LM's value") and "-m adapter.run" in line, line
+
+
+def test_cuda_library_flags_get_the_cuda_only_refusal_megatron_lms_flow_gives(capsys):
+    """Off CUDA, a flag turning on a feature of ``cuda_only_features.FEATURES`` is refused with that
+    feature's ``refusal()`` text, whatever the flow."""
+    import adapter
+    from adapter import cuda_only_features
+
+    if adapter.current_backend().name == "cuda":
+        pytest.skip("on CUDA these are megatron's own features")
+    _megatron_lm_parser()
+    features = {name: feature for feature in cuda_only_features.FEATURES for name in feature.settings}
+    for given, dest in ((["--fp8-format", "hybrid"], "fp8"), (["--cuda-graph-impl", "local"], "cuda_graph_impl"),
+                        (["--use-nccl-ub"], "nccl_ub"), (["--symmetric-ar-type", "two_shot"], "symmetric_ar_type")):
+        line = refused_line([*TINY, *given], capsys)
+        assert line == str(cuda_only_features.refusal(features[dest], " ".join(given))), line
+
+
+def test_a_flag_no_parser_knows_keeps_argparses_error(capsys):
+    _megatron_lm_parser()
+    for extra in (["--no-such-flag"], ["--manual-gc", "--no-such-flag"]):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args([*TINY, *extra])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and "usage:" in err and "unrecognized arguments: " in err, err
+
+
 # one refusal per stage a launch reaches (the model named, the tokenizer built, the data opened), and the
 # command line itself: each costs two fresh interpreters
 LAUNCHED = [REFUSED[i] for i in (0, 8, 15)] + [
     ([*TINY, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", "/no/such.model"], 2,
      "--tokenizer-model '/no/such.model' is not a file"),
     ([*TINY, "--no-such-flag"], 2, "usage: "),
+    ([*TINY, "--tp-comm-overlap"], 2, "--tp-comm-overlap: Megatron-LM's flag, which this flow"),
 ]
 
 

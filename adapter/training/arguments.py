@@ -3,8 +3,9 @@ meanings, validated before anything is built.
 
 Architecture arguments default to None: ``--model NAME`` (``models.names()``) supplies them and any given
 one overrides it (``models.provider.config_from_args``). An argument Megatron-LM has and this flow does not
-is refused by argparse ("unrecognized arguments"), never silently ignored; a combination that cannot run
-is one ``ArgumentError`` naming the values and the fix.
+is refused in one line naming ``python -m adapter.run``, where Megatron-LM's own pretrain_gpt.py takes it
+(``megatron_lm_flags``), never silently ignored; one no parser knows is argparse's "unrecognized arguments";
+a combination that cannot run is one ``ArgumentError`` naming the values and the fix.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from typing import NoReturn
 
 import models
-from adapter.parallel import ModelShape, ParallelConfigError, check_sizes
+from adapter.parallel import ModelShape, ParallelConfigError, PipelineSplit, check_sizes
 from models import checkpoint_dir
 
 
@@ -51,8 +52,9 @@ def _model(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--transformer-impl", choices=["local"], default="local",
-                   help="the adapter's layer spec (its kernel provider picks TE, torch_npu or torch kernels)")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="the adapter's layer spec (its kernel provider picks TE, torch_npu or torch kernels); "
+                        "transformer_engine, Megatron-LM's default spelling, is the same spec here")
     g.add_argument("--use-flash-attn", action="store_true",
                    help="accepted for Megatron-LM scripts: the kernel provider's core attention is always the "
                         "fused one where the device has it")
@@ -170,6 +172,9 @@ def _moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
     g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"])
     g.add_argument("--moe-per-layer-logging", action="store_true")
+    g.add_argument("--moe-router-num-groups", type=int,
+                   help="group-limited routing: the experts fall into this many equal groups (DeepSeek-V3: 8)")
+    g.add_argument("--moe-router-group-topk", type=int, help="the groups each token's experts are drawn from")
 
 
 # Megatron-LM's --cp-comm-type values; the adapter's CP attention runs the first two
@@ -183,6 +188,13 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int,
+                   help="an uneven split: the first pipeline stage's layers (the others share the rest evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, help="an uneven split: the last stage's layers")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="the first stage holds one layer fewer, the embedding counted as one")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="the last stage holds one layer fewer, the output layer and loss counted as one")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--cp-comm-type", nargs="+", choices=CP_COMM_TYPES, default=["p2p"],
                    help="how the CP ranks exchange attention work: p2p (ring attention) or a2a (Ulysses); one "
@@ -229,6 +241,17 @@ def _training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
     g.add_argument("--recompute-method", choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int)
+    g.add_argument("--recompute-modules", nargs="+",
+                   help="with --recompute-granularity selective: the submodules megatron recomputes (default "
+                        "core_attn; megatron's TransformerConfig lists the others)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss averages over every token of the global batch, not per micro-batch first")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector runs between steps only, at the same time on every rank")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: collect every this many iterations (0: only around evaluations)")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="with --manual-gc: no collection before and after each evaluation")
     g.add_argument("--seed", type=int, default=1234)
 
 
@@ -271,6 +294,12 @@ def _checkpointing(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true",
                    help="load the weights only and start at iteration 0")
     g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
+    g.add_argument("--ckpt-fully-parallel-save", action="store_true",
+                   help="the data-parallel replicas share the writing of a save (Megatron-LM's default; off by "
+                        "default here)")
+    g.add_argument("--no-ckpt-fully-parallel-save", action="store_false", dest="ckpt_fully_parallel_save")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="the data-parallel replicas share the reading of a load and exchange what they read")
     g.add_argument("--exit-interval", type=int, help="stop after the iteration divisible by this")
 
 
@@ -315,6 +344,19 @@ class _Parser(argparse.ArgumentParser):
             print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
+    def _check_value(self, action: argparse.Action, value) -> None:
+        """A value outside this flow's choices that Megatron-LM's flag takes (``--moe-token-dispatcher-type
+        flex``) is refused in one line naming where it runs, as a flag this flow lacks is."""
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError:
+            from adapter.training.megatron_lm_flags import value_refusal
+
+            line = value_refusal(action.option_strings[-1], value, action.choices) if action.option_strings else None
+            if line is not None:
+                refuse(ArgumentError(line))
+            raise
+
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = _Parser(description="Megatron-LM-style pretraining through the device adapter",
@@ -330,7 +372,15 @@ def parse_args(argv=None, extra_args_provider=None, defaults: dict | None = None
     parser = build_parser(extra_args_provider)
     if defaults:
         parser.set_defaults(**defaults)
-    return parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        from adapter.training.megatron_lm_flags import refusal_for
+
+        line = refusal_for(unknown)
+        if line is None:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        refuse(ArgumentError(line))
+    return args
 
 
 def refuse(exc: Exception) -> NoReturn:
@@ -380,12 +430,14 @@ POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "conte
             "norm_epsilon", "make_vocab_size_divisible_by", "ddp_bucket_size", "distributed_timeout_minutes",
             "log_interval", "eval_interval", "save_interval", "exit_interval", "loss_scale", "initial_loss_scale",
             "loss_scale_window", "recompute_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size",
-            "moe_ffn_hidden_size", "moe_router_topk", "kv_channels", "exit_duration_in_mins")
+            "moe_ffn_hidden_size", "moe_router_topk", "kv_channels", "exit_duration_in_mins",
+            "moe_router_num_groups", "moe_router_group_topk", "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers")
 NOT_NEGATIVE = ("train_iters", "lr", "min_lr", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction",
                 "lr_warmup_init", "weight_decay", "clip_grad", "eval_iters", "num_workers", "hidden_dropout",
                 "attention_dropout", "init_method_std", "hysteresis", "min_loss_scale", "num_experts",
                 "moe_shared_expert_intermediate_size", "moe_z_loss_coeff", "moe_router_bias_update_rate",
-                "error_injection_rate")
+                "error_injection_rate", "manual_gc_interval")
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
@@ -522,7 +574,23 @@ def _check_experts(args: argparse.Namespace) -> None:
     if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor < 0:
         args.moe_expert_capacity_factor = None  # Megatron-LM's meaning of a negative factor: drop no token
     _check_load_balancing(args)
+    _check_group_limited_routing(args)
     args.expert_tensor_parallel_size = args.expert_tensor_parallel_size or tp
+
+
+def _check_group_limited_routing(args: argparse.Namespace) -> None:
+    """Megatron's group-limited top-k: the experts split into --moe-router-num-groups equal groups, each token
+    picks --moe-router-group-topk of them and its top-k experts spread evenly over those."""
+    groups, picked = args.moe_router_num_groups, args.moe_router_group_topk
+    if groups is None and picked is None:
+        return
+    experts, topk = args.model_config.num_experts, args.model_config.moe_router_topk
+    _require(groups is not None and picked is not None,
+             "--moe-router-num-groups and --moe-router-group-topk go together: give both")
+    _require(experts % groups == 0, f"--moe-router-num-groups {groups} does not divide the {experts} experts")
+    _require(picked <= groups and topk % picked == 0,
+             f"--moe-router-group-topk {picked}: must be at most --moe-router-num-groups {groups} and divide "
+             f"--moe-router-topk {topk}")
 
 
 def _check_load_balancing(args: argparse.Namespace) -> None:
@@ -556,8 +624,15 @@ def _refuse_expert_arguments(args: argparse.Namespace) -> None:
 
 def _check_virtual_pipeline(args: argparse.Namespace) -> None:
     pp, model = args.pipeline_model_parallel_size, args.model_config
+    uneven = pipeline_split(args) != PipelineSplit()
+    _require(not uneven or pp > 1, "an uneven pipeline split (--decoder-first/last-pipeline-num-layers, "
+                                   "--account-for-*-in-pipeline-split) needs --pipeline-model-parallel-size > 1")
+    _require(not uneven or model.layer_types is None, "an uneven pipeline split of a hybrid model (its mixers and "
+                                                      "MLPs are megatron layers of their own): use the even split")
     if args.num_layers_per_virtual_pipeline_stage is not None:
         _require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        _require(not uneven, "--num-layers-per-virtual-pipeline-stage with an uneven pipeline split: give "
+                             "--virtual-pipeline-model-parallel-size instead (as Megatron-LM asks)")
         per_stage, per_chunk = model.num_layers // pp, args.num_layers_per_virtual_pipeline_stage
         _require(model.num_layers % pp == 0 and per_stage % per_chunk == 0,
                  f"{model.num_layers} layers over PP {pp} cannot be cut into virtual stages of {per_chunk} "
@@ -584,9 +659,17 @@ def _layout(args: argparse.Namespace, world_size: int | None, model: ModelShape 
         return check_sizes(world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                            vpp=vpp, cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
                            etp=args.expert_tensor_parallel_size, model=model,
-                           sequence_parallel=bool(args.sequence_parallel))
+                           sequence_parallel=bool(args.sequence_parallel),
+                           split=pipeline_split(args) if model is not None else PipelineSplit())
     except ParallelConfigError as exc:
         raise ArgumentError(str(exc)) from None
+
+
+def pipeline_split(args: argparse.Namespace) -> PipelineSplit:
+    """Megatron-LM's uneven pipeline split from its flags (the even split where none is given)."""
+    return PipelineSplit(first=args.decoder_first_pipeline_num_layers, last=args.decoder_last_pipeline_num_layers,
+                         embedding=args.account_for_embedding_in_pipeline_split,
+                         loss=args.account_for_loss_in_pipeline_split)
 
 
 def _check_batches(args: argparse.Namespace) -> None:

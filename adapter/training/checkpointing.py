@@ -121,10 +121,36 @@ def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, con
         state = _sharded_state(args, model, optimizer, scheduler, iteration, consumed,
                                with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng)
         with checkpoint_writes.results_in_process():  # synchronous: no Manager process for the results
-            dist_checkpointing.save(state, str(partial))  # ends once every rank's files are written
+            # ends once every rank's files are written
+            dist_checkpointing.save(state, str(partial), sharded_strategy=_save_strategy(args))
         if rank == 0:
             checkpoint_dir.publish(partial, iteration)
     return final
+
+
+def _save_strategy(args):
+    """megatron's default torch_dist writer; with --ckpt-fully-parallel-save (Megatron-LM's meaning) the
+    data-parallel replicas split the writing of what they hold alike, instead of the first replica writing
+    it all. None: megatron's default."""
+    if not args.ckpt_fully_parallel_save:
+        return None
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                            parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+
+def _load_strategy(args, checkpoint: Path):
+    """megatron's default reader; with --ckpt-fully-parallel-load each data-parallel replica reads a part of
+    what they all need and they exchange it. None: megatron's default."""
+    if not args.ckpt_fully_parallel_load:
+        return None
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(checkpoint)),
+                                            parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 
 def recover_interrupted_save(args) -> None:
@@ -207,7 +233,7 @@ def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]
                            with_optimizer=with_optimizer, with_rng=with_rng)
     if weights_only:
         state = {k: v for k, v in state.items() if k == "model" or k.startswith("model")}
-    loaded = dist_checkpointing.load(state, str(checkpoint))
+    loaded = dist_checkpointing.load(state, str(checkpoint), sharded_strategy=_load_strategy(args, checkpoint))
     chunks = [chunk.module if hasattr(chunk, "module") else chunk for chunk in model]
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded["model"] if len(chunks) == 1 else loaded[f"model{i}"])

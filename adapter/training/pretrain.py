@@ -31,6 +31,7 @@ from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
 import adapter
 from adapter.training import checkpointing, global_vars, liveness, nonfinite
+from adapter.training.manual_gc import ManualGC
 from adapter.training.arguments import ArgumentError, fit_vocab, parse_args, refuse, validate_args
 from adapter.training.preemption import Preemption
 from adapter.training.training_log import StartupClock, TrainingLog
@@ -60,6 +61,7 @@ def initialize(extra_args_provider=None, args_defaults: dict | None = None, argv
         from adapter.report import kernel_summary
 
         print(kernel_summary(), flush=True)
+        _say_transformer_impl(args)
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size, context_parallel_size=args.context_parallel_size,
@@ -79,6 +81,17 @@ def initialize(extra_args_provider=None, args_defaults: dict | None = None, argv
     return args
 
 
+def _say_transformer_impl(args) -> None:
+    """``--transformer-impl transformer_engine`` (Megatron-LM's default) without Transformer Engine: the
+    adapter's layer spec runs, as with ``local``, and rank 0 says so once. Where TE is importable the CUDA
+    provider's kernels are TE's, so the spelling means what it says."""
+    import importlib.util
+
+    if args.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        print("[adapter] --transformer-impl transformer_engine: Transformer Engine is not importable here; the "
+              "adapter's layer spec runs with the kernel provider's kernels (as --transformer-impl local)", flush=True)
+
+
 def transformer_config_overrides(args) -> dict:
     """TransformerConfig fields from the arguments: what a model provider passes on
     (``models.provider.make_model_provider(args.model_config, **transformer_config_overrides(args))``)."""
@@ -87,6 +100,8 @@ def transformer_config_overrides(args) -> dict:
         recompute = dict(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
                          recompute_num_layers=args.recompute_num_layers or
                          (1 if args.recompute_method == "uniform" else None))
+        if args.recompute_modules:
+            recompute["recompute_modules"] = args.recompute_modules
     return dict(
         params_dtype=args.params_dtype, pipeline_dtype=args.params_dtype, bf16=args.bf16, fp16=args.fp16,
         sequence_parallel=args.sequence_parallel, hidden_dropout=args.hidden_dropout,
@@ -96,7 +111,12 @@ def transformer_config_overrides(args) -> dict:
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         attention_softmax_in_fp32=True, use_cpu_initialization=not adapter.device.has_accelerator(),
         deallocate_pipeline_outputs=True, context_parallel_size=args.context_parallel_size,
-        cp_comm_type=args.cp_comm_type, **recompute, **_moe_overrides(args))
+        cp_comm_type=args.cp_comm_type, calculate_per_token_loss=args.calculate_per_token_loss,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        **recompute, **_moe_overrides(args))
 
 
 # Megatron-LM's MoE training arguments that are TransformerConfig fields of the same name and meaning.
@@ -104,7 +124,8 @@ MOE_TRAINING_FIELDS = (
     "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_grouped_gemm", "moe_token_dispatcher_type",
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_shared_expert_overlap",
     "moe_permute_fusion", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
-    "moe_pad_expert_input_to_capacity", "moe_token_drop_policy", "moe_router_dtype", "moe_per_layer_logging")
+    "moe_pad_expert_input_to_capacity", "moe_token_drop_policy", "moe_router_dtype", "moe_per_layer_logging",
+    "moe_router_num_groups", "moe_router_group_topk")
 
 
 def _moe_overrides(args) -> dict:
@@ -333,7 +354,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     history = {"train": [], "validation": [], "iteration": iteration}
     for chunk in model:
         chunk.train()
-    preemption, stopped = Preemption(args), None
+    preemption, stopped, collector = Preemption(args), None, ManualGC(args)
     while iteration < args.train_iters:
         losses, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler)
         if clock is not None:
@@ -348,8 +369,9 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         if logged:
             history["train"].append(logged)
         straggler.step(iteration)
+        collector.step(iteration)
         if do_valid and args.eval_iters and iteration % args.eval_interval == 0:
-            with log.excluded(), parameters_synced(model):
+            with log.excluded(), parameters_synced(model), collector.evaluation():
                 valid = evaluate(forward_step_func, valid_iter, model, args.eval_iters)
             consumed["valid"] += args.eval_iters * args.global_batch_size
             log.validation(iteration, valid)
@@ -370,6 +392,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
             log.validation(iteration, test, label="test")
             history["test"] = test
     preemption.close()  # after the last save: a signal during it is only noted
+    collector.close()
     log.close()
     history.update(iteration=iteration, stopped=stopped)
     torch.distributed.barrier()
