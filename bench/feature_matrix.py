@@ -274,7 +274,7 @@ def main(argv=None) -> int:
             key, outcome = futures[future], future.result()
             results[key] = outcome
             print(f"{' / '.join(key)}: {outcome.verdict} ({outcome.seconds:.0f} s): {outcome.detail}", flush=True)
-    Path(args.out).write_text(markdown(results, flows, backends, note))
+            Path(args.out).write_text(markdown(results, flows, backends, note))  # as far as it got
     print(f"wrote {args.out}")
     return 1 if any(o.verdict == "fails" for o in results.values()) else 0
 
