@@ -113,18 +113,20 @@ def _flow(workdir, name, args):
 
 @pytest.fixture(scope="module")
 def spellings(tmp_path_factory):
-    """Each spelling trains 4 iterations saving at 2; each resumes from the other's checkpoint of 2."""
+    """Each spelling trains 6 iterations saving at 2; each resumes from the other's checkpoint of 2.
+    Megatron-LM logs the mean of the first two iterations after a (re)start as the second, so the resumed
+    curve is compared at iterations 5 and 6."""
     from tests.test_megatron_lm import _checkpoint_at
 
     workdir = tmp_path_factory.mktemp("spellings")
     runs = {}
     for impl in ("transformer_engine", "local"):
-        runs[impl] = _flow(workdir, impl, ["--transformer-impl", impl, "--save", f"saved-{impl}",
-                                           "--save-interval", "2"])
+        runs[impl] = _flow(workdir, impl, ["--transformer-impl", impl, "--train-iters", "6",
+                                           "--save", f"saved-{impl}", "--save-interval", "2"])
     for impl, other in (("local", "transformer_engine"), ("transformer_engine", "local")):
         load = _checkpoint_at(workdir / f"saved-{other}", 2, workdir / f"from-{other}")
         runs[f"{impl}-from-{other}"] = _flow(workdir, f"{impl}-from-{other}",
-                                             ["--transformer-impl", impl, "--load", str(load)])
+                                             ["--transformer-impl", impl, "--train-iters", "6", "--load", str(load)])
     return runs
 
 
