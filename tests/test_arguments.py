@@ -261,7 +261,8 @@ LAUNCHED = [REFUSED[i] for i in (0, 8, 15)] + [
     ([*TINY, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", "/no/such.model"], 2,
      "--tokenizer-model '/no/such.model' is not a file"),
     ([*TINY, "--no-such-flag"], 2, "usage: "),
-    ([*TINY, "--tp-comm-overlap"], 2, "--tp-comm-overlap: Megatron-LM's flag, which this flow"),
+    ([*TINY, "--multi-latent-attention"], 2, "--multi-latent-attention: Megatron-LM's flag, which this flow"),
+    ([*TINY, "--tp-comm-overlap"], 2, "--tp-comm-overlap: TP communication overlap runs only on CUDA"),
 ]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import warnings
 
 from adapter import backend, cuda_only_features
 
@@ -23,9 +24,12 @@ RUN_THROUGH_ADAPTER = ("run Megatron-LM's pretrain_gpt.py through the adapter: t
 @functools.cache
 def megatron_lm_parser() -> argparse.ArgumentParser | None:
     """Megatron-LM's argument parser, as its ``parse_args`` builds it (without parsing sys.argv); None where
-    ``megatron.training`` cannot be imported."""
+    ``megatron.training`` cannot be imported. Its import-time warnings (Transformer Engine's MoE support and
+    the like) are about a run that will not happen here: they are not said under the refusal's one line."""
     try:
-        from megatron.training.arguments import add_megatron_arguments
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.training.arguments import add_megatron_arguments
     except Exception:  # noqa: BLE001 - any import failure means: no Megatron-LM parser to read here
         return None
     return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False))
