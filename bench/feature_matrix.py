@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 from adapter.core_source import megatron_lm_checkout  # noqa: E402 - after the repository is importable
 
 ITERS = 4
-BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
-        "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "64", "--max-position-embeddings", "64",
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+        "--seq-length", "64", "--max-position-embeddings", "64",
         "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--mock-data", "--num-workers", "0",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "1e-3",
@@ -83,7 +83,7 @@ FEATURES = (
     _f("selective recompute (core_attn mlp layernorm)",
        ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp", "layernorm"]),
     _f("bf16", ["--bf16"]),
-    _f("fp16 with loss scaling", ["--fp16"]),
+    _f("fp16 with loss scaling", ["--fp16", "--initial-loss-scale", "1024"]),
     _f("per-token loss", ["--calculate-per-token-loss"]),
     _f("QK layernorm", ["--qk-layernorm"]),
     _f("SGD", ["--optimizer", "sgd"]),
@@ -110,7 +110,7 @@ FEATURES = (
        [*MLA, *MOE, *DSV3_ROUTER, "--mtp-num-layers", "1", "--moe-layer-freq", "([0]*1+[1]*3)",
         "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], nproc=4),
     _f("Megatron-FSDP", ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
-                         "--use-distributed-optimizer"]),
+                         "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]),
     _f("torch FSDP2", ["--use-torch-fsdp2"]),
     _f("optimizer CPU offload", ["--use-distributed-optimizer", "--optimizer-cpu-offload",
                                  "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "1.0"]),

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import functools
 
+from adapter.cuda_only_features import RefusedSetting
+
 _OPTIMIZER = "megatron.core.optimizer"
 
 
-class HostOffloadError(ValueError):
-    """Optimizer offloading to host memory was configured on the cpu backend."""
+class HostOffloadError(RefusedSetting):
+    """Optimizer offloading to host memory was configured on the cpu backend (a refused setting: one line
+    for the job under adapter.run)."""
 
 
 def _refusal(setting: str) -> HostOffloadError:
