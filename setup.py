@@ -36,7 +36,10 @@ setup(
         # liger-kernel: the cuda provider's Triton kernels, run on CPU tensors by Triton's interpreter (Triton
         # comes with torch's CUDA build, which pip installs on Python 3.12; the 3.10/3.11 CPU build has none)
         "test": ["pytest>=7", "pytest-xdist>=3.5", "pyyaml", "transformers>=4.56", "safetensors", "tensorboard",
-                 "matplotlib", "import-linter>=2.1", "liger-kernel>=0.8.5; python_version >= '3.12'"],
+                 "matplotlib", "import-linter>=2.1", "liger-kernel>=0.8.5; python_version >= '3.12'", "einops"],
+        # Megatron-FSDP (--use-megatron-fsdp) builds its device mesh with einops, which megatron-core does not
+        # install (only its dev extra names it)
+        "fsdp": ["einops"],
         # `python -m models.verify` runs the Hugging Face side of a converted checkpoint
         "hf": ["transformers>=4.56"],
         # --tensorboard-dir, and scripts/plot_loss.py drawing the curves

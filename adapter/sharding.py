@@ -11,6 +11,7 @@ Everything else of Megatron-FSDP (its buffers, streams and events) is answered b
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -58,14 +59,19 @@ def scaled_before_sum(preprocess):
     return functools.wraps(preprocess)(preprocessed)
 
 
-def refuse_fsdp_save(validate_args):
-    """Megatron-LM's ``validate_args``: a Megatron-FSDP run that saves is refused off CUDA, in one line, for
-    now. Its ``fsdp_dtensor`` save waited forever on the cpu backend (rank 0 in the all_gather_object of
-    megatron_fsdp's ``uneven_dtensor._update_offsets_and_cumulative_shape``, found 2026-11-28, cause not yet
-    known): a refusal before training, not a job that hangs at its first save with its work unsaved."""
+def refuse_unready_fsdp(validate_args):
+    """Megatron-LM's ``validate_args``: a Megatron-FSDP run is refused in one line where einops is missing
+    (megatron asserts it on every rank when it builds the mesh, after the model is built; megatron-core does
+    not install it), and one that saves is refused off CUDA, for now. Its ``fsdp_dtensor`` save waited
+    forever on the cpu backend (rank 0 in the all_gather_object of megatron_fsdp's
+    ``uneven_dtensor._update_offsets_and_cumulative_shape``, found 2026-11-28, cause not yet known): a
+    refusal before training, not a job that hangs at its first save with its work unsaved."""
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
+        if getattr(args, "use_megatron_fsdp", False) and importlib.util.find_spec("einops") is None:
+            raise RefusedSetting("--use-megatron-fsdp needs einops, which is not installed (megatron-core does not "
+                                 "install it): pip install einops, or megatron-device-adapter[fsdp]")
         if getattr(args, "use_megatron_fsdp", False) and getattr(args, "save", None):
             raise RefusedSetting(
                 f"--use-megatron-fsdp with --save {args.save}: saving a Megatron-FSDP checkpoint is not supported "

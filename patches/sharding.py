@@ -18,5 +18,5 @@ def register(registry, versions: str) -> None:
                          reason="the FSDP device mesh is built on 'cuda'; DTensor puts shards on the mesh's device")
     registry.wrap(f"{_FSDP_BUFFER}:gradient_reduce_preprocessing", sharding.scaled_before_sum, versions=versions,
                   backends=OFF_CUDA, reason="NCCL's pre-multiplied sum: gloo and HCCL sum the scaled gradients")
-    registry.wrap("megatron.training.arguments:validate_args", sharding.refuse_fsdp_save, versions=versions,
-                  backends=OFF_CUDA, reason="a Megatron-FSDP save does not finish off CUDA yet: refused first")
+    registry.wrap("megatron.training.arguments:validate_args", sharding.refuse_unready_fsdp, versions=versions,
+                  backends=OFF_CUDA, reason="Megatron-FSDP without einops, or saving off CUDA (unfinished): one line")

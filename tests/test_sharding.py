@@ -6,6 +6,7 @@ bytes and the optimizer state the distributed optimizer holds (both shard it ove
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import pytest
 
@@ -17,14 +18,23 @@ from tests.distributed import run_ranks
 from tests.sharding_ranks import train
 
 
-
 def test_a_megatron_fsdp_run_that_saves_is_refused_in_one_line_and_one_that_does_not_passes():
-    validate = sharding.refuse_fsdp_save(lambda args: "validated")
+    validate = sharding.refuse_unready_fsdp(lambda args: "validated")
     with pytest.raises(RefusedSetting, match=r"^--use-megatron-fsdp with --save ckpt: saving a Megatron-FSDP "
                                              r"checkpoint is not supported off CUDA yet .*--use-distributed-optimizer"):
         validate(argparse.Namespace(use_megatron_fsdp=True, save="ckpt"))
     assert validate(argparse.Namespace(use_megatron_fsdp=True, save=None)) == "validated"
     assert validate(argparse.Namespace(use_megatron_fsdp=False, save="ckpt")) == "validated"
+
+
+def test_a_megatron_fsdp_run_without_einops_is_refused_in_one_line_naming_the_install(monkeypatch):
+    validate = sharding.refuse_unready_fsdp(lambda args: "validated")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "einops" else real_find_spec(name, *a))
+    with pytest.raises(RefusedSetting, match=r"^--use-megatron-fsdp needs einops, .*: pip install einops"):
+        validate(argparse.Namespace(use_megatron_fsdp=True, save=None))
+    assert validate(argparse.Namespace(use_megatron_fsdp=False, save=None)) == "validated"
 
 
 @pytest.mark.multiproc
