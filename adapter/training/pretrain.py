@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
 import adapter
+from adapter.kernels import cuda_provider
 from adapter.training import checkpointing, global_vars, liveness, nonfinite
 from adapter.training.manual_gc import ManualGC
 from adapter.training.arguments import ArgumentError, fit_vocab, parse_args, refuse, validate_args
@@ -85,9 +86,7 @@ def _say_transformer_impl(args) -> None:
     """``--transformer-impl transformer_engine`` (Megatron-LM's default) without Transformer Engine: the
     adapter's layer spec runs, as with ``local``, and rank 0 says so once. Where TE is importable the CUDA
     provider's kernels are TE's, so the spelling means what it says."""
-    import importlib.util
-
-    if args.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+    if args.transformer_impl == "transformer_engine" and not cuda_provider.HAVE_TE:
         print("[adapter] --transformer-impl transformer_engine: Transformer Engine is not importable here; the "
               "adapter's layer spec runs with the kernel provider's kernels (as --transformer-impl local)", flush=True)
 
