@@ -15,7 +15,7 @@ Usage: python bench/feature_matrix.py [--megatron-lm PATH] [--flows megatron-lm,
 PATH defaults to the Megatron-LM checkout on PYTHONPATH (its tag must be the installed megatron-core's).
 Without a checkout the Megatron-LM column is left out, and said so. Every cell's outcome is also kept in
 docs/FEATURES.json; ``--update`` reruns only the cells asked for and keeps the others from there (a whole
-matrix is an hour of two CPUs: a change to one feature reruns its row).
+matrix is 144 torchruns: a change to one feature reruns its row).
 """
 
 from __future__ import annotations
