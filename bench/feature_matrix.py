@@ -316,9 +316,17 @@ def _environment_note(checkout: Path | None) -> str:
 
     import torch
 
-    where = f"Megatron-LM checkout {checkout.name}" if checkout else "no Megatron-LM checkout"
+    where = (f"Megatron-LM checkout {checkout.name}{_checkout_release(checkout)}" if checkout
+             else "no Megatron-LM checkout")
     return (f"Measured with torch {torch.__version__}, megatron-core {importlib.metadata.version('megatron-core')}, "
             f"{where}, Python {sys.version.split()[0]}, on {os.cpu_count()} CPUs.")
+
+
+def _checkout_release(checkout: Path) -> str:
+    """The release a checkout's megatron/core/package_info.py names (an archive has no git tag to ask)."""
+    numbers = dict(re.findall(r"^(MAJOR|MINOR|PATCH) = (\d+)$", (checkout / "megatron" / "core" / "package_info.py")
+                              .read_text(errors="replace"), re.M)) if (checkout / "megatron").is_dir() else {}
+    return f" (megatron-core {numbers['MAJOR']}.{numbers['MINOR']}.{numbers['PATCH']})" if len(numbers) == 3 else ""
 
 
 if __name__ == "__main__":
