@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint_dir, hf_hybrid, torch_dist_io
+from . import checkpoint_dir, fp8_blocks, hf_hybrid, torch_dist_io
 from . import hf as hf_format
 from .config import ModelConfig, ModelConfigError
 from .safetensors_io import SafetensorsError, SafetensorsFile, SafetensorsStreamWriter
@@ -54,7 +54,7 @@ class HFWeights:
     language-model names: a multimodal checkpoint's ``model.language_model.*`` as ``model.*``, and what the
     language model does not use (``hf_hybrid.LEFT_BEHIND``) counted in ``left``, not read."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, fp8_block: int = fp8_blocks.DEFAULT_BLOCK):
         self.directory = directory
         if (directory / INDEX).is_file():
             weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
@@ -82,11 +82,43 @@ class HFWeights:
                 self.file_of[name], self.shape[name], self.dtype[name] = handle, shape, dtype
                 self.stored_name[name] = stored
 
+        self.fp8_block, self.fp8_scale_of = fp8_block, self._pair_fp8_scales(fp8_block)
+
+    def _pair_fp8_scales(self, block: int) -> dict[str, str]:
+        """FP8 weights and their block scales (``fp8_blocks``): each FP8 weight is read as bf16 and its
+        ``weight_scale_inv`` is not a tensor of the model."""
+        scale_of = {}
+        for name in [n for n, dtype in self.dtype.items() if dtype == torch.float8_e4m3fn]:
+            scale, shape = name + fp8_blocks.SCALE_SUFFIX, self.shape[name]
+            if len(shape) != 2 or self.shape.get(scale) != fp8_blocks.scale_shape(shape, block):
+                raise ConversionError(
+                    f"{name} is FP8 {shape} but {scale} is {self.shape.get(scale, 'missing')}: an FP8 weight "
+                    f"needs its {block}x{block} block scales {fp8_blocks.scale_shape(shape, block)} "
+                    "(quantization_config.weight_block_size in config.json)")
+            scale_of[name], self.dtype[name] = scale, torch.bfloat16
+        for scale in scale_of.values():
+            del self.shape[scale], self.dtype[scale]
+        return scale_of
+
+    def _read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return self.file_of[name].read_rows(self.stored_name[name], start, stop)
+
     def get(self, name: str) -> torch.Tensor:
-        return self.file_of[name].read_rows(self.stored_name[name])
+        return self.get_rows(name, 0, self.shape[name][0]) if name in self.fp8_scale_of else self._read(name)
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.file_of[name].read_rows(self.stored_name[name], start, stop)
+        if name not in self.fp8_scale_of:
+            return self._read(name, start, stop)
+        scale = self.fp8_scale_of[name]
+        return fp8_blocks.dequantize_rows(lambda a, b: self._read(name, a, b), lambda a, b: self._read(scale, a, b),
+                                          start, stop, self.fp8_block)
+
+    def dequantized_line(self) -> str | None:
+        """One line on the FP8 weights read as bf16, if any."""
+        if not self.fp8_scale_of:
+            return None
+        return (f"{self.directory}: dequantized {len(self.fp8_scale_of)} FP8 (e4m3) weights with their "
+                f"{self.fp8_block}x{self.fp8_block} block scales (weight_scale_inv) to bf16")
 
     def left_line(self) -> str | None:
         """One line on what the conversion leaves, if anything."""
@@ -240,15 +272,19 @@ def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = 
     raw_config, model = read_hf_config(hf_dir)
     architecture = raw_config["architectures"][0]
     _check_layout(model, tp, pp, ep)
-    weights = HFWeights(hf_dir)
+    try:
+        block = fp8_blocks.block_size(raw_config)
+    except ValueError as exc:
+        raise ConversionError(f"{hf_dir / CONFIG}: {exc}") from exc
+    weights = HFWeights(hf_dir, block)
     with torch_dist_io.single_process_groups():
         layout = torch_dist_io.megatron_layout(model)
     plan, sites = _plan(model, architecture, layout)
     expected = _hf_tensors(model, sites)
     _check_hf_tensors(weights, expected)
-    left = weights.left_line()
-    if left:
-        print(left, file=sys.stderr)
+    for line in (weights.left_line(), weights.dequantized_line()):
+        if line:
+            print(line, file=sys.stderr)
     target = _dtype(dtype) or weights.dtype[expected[0][0]]
     if (save_dir / checkpoint_dir.TRACKER).exists() or (save_dir / checkpoint_dir.RELEASE).exists():
         raise ConversionError(f"{save_dir} already holds a checkpoint: choose an empty --save-dir")
