@@ -223,8 +223,8 @@ def test_megatron_lm_flags_the_flow_lacks_are_refused_in_one_line_naming_adapter
     for flag in switches:
         line = refused_line([*TINY, flag], capsys)
         assert line.startswith(f"{flag}: Megatron-LM's flag") and "-m adapter.run" in line, line
-    line = refused_line([*TINY, "--lr-decay-samples", "10", "--async-save"], capsys)
-    assert line.startswith("--lr-decay-samples --async-save: Megatron-LM's flags"), line
+    line = refused_line([*TINY, "--lr-decay-samples", "10", "--log-params-norm"], capsys)
+    assert line.startswith("--lr-decay-samples --log-params-norm: Megatron-LM's flags"), line
     # a value only Megatron-LM's flag takes
     line = refused_line([*TINY, "--ckpt-format", "torch"], capsys)
     assert line.startswith("--ckpt-format torch: Megatron-LM's value") and "-m adapter.run" in line, line
@@ -261,7 +261,7 @@ LAUNCHED = [REFUSED[i] for i in (0, 8, 15)] + [
     ([*TINY, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", "/no/such.model"], 2,
      "--tokenizer-model '/no/such.model' is not a file"),
     ([*TINY, "--no-such-flag"], 2, "usage: "),
-    ([*TINY, "--multi-latent-attention"], 2, "--multi-latent-attention: Megatron-LM's flag, which this flow"),
+    ([*TINY, "--log-params-norm"], 2, "--log-params-norm: Megatron-LM's flag, which this flow"),
     ([*TINY, "--tp-comm-overlap"], 2, "--tp-comm-overlap: TP communication overlap runs only on CUDA"),
 ]
 

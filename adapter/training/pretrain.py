@@ -386,12 +386,16 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             with log.excluded(), parameters_synced(model):
                 checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
+        if args.async_save:
+            checkpointing.finalize_async_saves()  # publishes what every rank has written
         stopped = preemption.stop_reason()
         if stopped or (args.exit_interval and iteration % args.exit_interval == 0):
             break
     with parameters_synced(model):
         if args.save and (not args.save_interval or iteration % args.save_interval):
             checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
+        if args.async_save:
+            checkpointing.finalize_async_saves(blocking=True)
         if stopped:
             _say_stopped(iteration, stopped, args.save)
         elif do_test and args.eval_iters:
