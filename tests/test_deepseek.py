@@ -130,7 +130,7 @@ def test_mla_and_mtp_flags_mean_what_they_mean_in_megatron_lm(one_rank):
     theirs_args = megatron_lm_parser().parse_args([*ARCHITECTURE, *MLA_FLAGS, "--micro-batch-size", "1"])
     theirs_args.params_dtype, theirs_args.num_query_groups = torch.float32, None  # what its validate_args sets
     theirs = argument_utils.core_transformer_config_from_args(theirs_args)
-    args = validate_args(parse_args([*ARCHITECTURE, *MLA_FLAGS, "--mock-data", "--train-iters", "1", "--lr", "1e-3"]), 1)
+    args = validate_args(parse_args([*ARCHITECTURE, *MLA_FLAGS, "--mock-data", "--train-iters", "1", "--lr", "1"]), 1)
     ours = transformer_config(args.model_config, **transformer_config_overrides(args))
     assert type(ours) is type(theirs)
     assert {name: getattr(ours, name) for name in MEANING} == {name: getattr(theirs, name) for name in MEANING}

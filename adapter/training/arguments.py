@@ -610,7 +610,8 @@ def _check_group_limited_routing(args: argparse.Namespace) -> None:
     groups, picked = args.moe_router_num_groups, args.moe_router_group_topk
     model = args.model_config
     if groups is None and picked is None:  # the named model's, which it has checked
-        args.moe_router_num_groups, args.moe_router_group_topk = model.moe_router_num_groups, model.moe_router_group_topk
+        args.moe_router_num_groups = model.moe_router_num_groups
+        args.moe_router_group_topk = model.moe_router_group_topk
         return
     experts, topk = model.num_experts, model.moe_router_topk
     _require(groups is not None and picked is not None,

@@ -151,8 +151,9 @@ def _schedule_async_save(state: dict, partial: Path, iteration: int, args) -> No
     global _ASYNC_SAVES
     if _ASYNC_SAVES is None:
         _ASYNC_SAVES = AsyncCallsQueue()
-    strategy = {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters \
-        else {}
+    # where megatron has several strategies to choose from
+    takes_strategy = "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
+    strategy = {"async_strategy": "mcore"} if takes_strategy else {}
     request = dist_checkpointing.save(state, str(partial), sharded_strategy=_save_strategy(args),
                                       async_sharded_save=True, **strategy)
 
