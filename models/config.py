@@ -206,15 +206,20 @@ class ModelConfig:
             _positive(name, getattr(self, name))
         if self.q_lora_rank is not None:
             _positive("q_lora_rank", self.q_lora_rank)
+        elif self.qk_layernorm:
+            raise ModelConfigError("multi_latent_attention with qk_layernorm and no q_lora_rank: megatron's MLA "
+                                   "(local spec) norms the query's low-rank latent, which there is none of; set "
+                                   "q_lora_rank or qk_layernorm=False")
         if self.num_query_groups != self.num_attention_heads:
             raise ModelConfigError(f"multi_latent_attention with num_query_groups={self.num_query_groups} of "
                                    f"{self.num_attention_heads} heads: MLA has no grouped-query attention (megatron "
                                    "refuses it); set num_query_groups to the number of heads")
-        if (self.attention_output_gate or self.layer_types is not None or self.position_embedding != "rope"
-                or self.add_bias_linear or self.add_qkv_bias):
-            raise ModelConfigError("multi_latent_attention with an output gate, hybrid layer_types, linear biases or "
-                                   f"position_embedding={self.position_embedding!r}: megatron's MLA here is a GPT "
-                                   "stack's bias-free attention with its own RoPE")
+        given = [f"{name}={getattr(self, name)!r}" for name, fits in (
+            ("attention_output_gate", False), ("layer_types", None), ("position_embedding", "rope"),
+            ("add_qkv_bias", False)) if getattr(self, name) != fits]
+        if given:
+            raise ModelConfigError(f"multi_latent_attention with {', '.join(given)}: megatron's MLA is a GPT stack's "
+                                   "attention with its own RoPE, no output gate and no query/key/value biases")
         if not self.rotary_scaling_factor >= 1:
             raise ModelConfigError(f"rotary_scaling_factor={self.rotary_scaling_factor!r}: YaRN's factor is at "
                                    "least 1 (1: plain RoPE)")
@@ -398,8 +403,8 @@ class ModelConfig:
     def latent_attention_parameters(self) -> int:
         """Multi-latent attention: the query projection (down to q_lora_rank, its norm, and up; or one
         projection), the key/value down projection to the latent and the RoPE key, the latent's norm, its up
-        projection to each head's key and value, and the output projection. The two norms are the QK norms
-        (megatron's qk_layernorm)."""
+        projection to each head's key and value, and the output projection (the one with a bias, if any). The two
+        norms are the QK norms (megatron's qk_layernorm)."""
         h, heads = self.hidden_size, self.num_attention_heads
         q_head = self.qk_head_dim + self.qk_pos_emb_head_dim
         norm = (2 if self.normalization == "LayerNorm" else 1) if self.qk_layernorm else 0
@@ -409,7 +414,7 @@ class ModelConfig:
             query = h * self.q_lora_rank + norm * self.q_lora_rank + self.q_lora_rank * heads * q_head
         kv = (h * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + norm * self.kv_lora_rank
               + self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim))
-        return query + kv + heads * self.v_head_dim * h
+        return query + kv + heads * self.v_head_dim * h + (h if self.add_bias_linear else 0)
 
     def gated_delta_net_parameters(self) -> int:
         """Gated DeltaNet: the input projection to q, k, v, the output gate z and each value head's beta and

@@ -84,11 +84,13 @@ def test_the_named_configs_carry_the_published_routing_and_rope():
     assert tiny.moe_router_num_groups > tiny.moe_router_group_topk and tiny.moe_shared_expert_intermediate_size
 
 
-def test_mla_without_the_switch_and_with_grouped_query_attention_are_refused_by_name():
+def test_mla_settings_megatron_would_refuse_are_refused_by_name():
     with pytest.raises(models.ModelConfigError, match="q_lora_rank=8 without multi_latent_attention"):
         models.get("gpt-tiny", q_lora_rank=8)
     with pytest.raises(models.ModelConfigError, match="MLA has no grouped-query attention"):
         models.get("deepseek-v3-tiny", num_query_groups=2)
+    with pytest.raises(models.ModelConfigError, match="qk_layernorm and no q_lora_rank: megatron's MLA"):
+        models.get("deepseek-v3-tiny", q_lora_rank=None)
 
 
 # Megatron-LM's flags (tests/test_megatron_lm_deepseek.py's), without --model
@@ -144,13 +146,15 @@ def test_mla_and_mtp_flags_mean_what_they_mean_in_megatron_lm(one_rank):
     assert len(gpt.mtp.layers) == 1 and isinstance(gpt.mtp.layers[0].mtp_model_layer.self_attention, MLASelfAttention)
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3-tiny"])
-def test_the_tiny_models_megatron_parameters_are_its_configs(one_rank, name):
-    """megatron's built model (MTP layer included) counts what the config counts (the 671B and 1T ones:
-    tests/test_model_configs.py, against Hugging Face's DeepseekV3 too)."""
+@pytest.mark.parametrize("overrides", [{}, {"add_bias_linear": True, "moe_shared_expert_intermediate_size": None},
+                                       {"q_lora_rank": None, "qk_layernorm": False, "mtp_num_layers": 2}])
+def test_the_tiny_models_megatron_parameters_are_its_configs(one_rank, overrides):
+    """megatron's built model (MTP layers included) counts what the config counts, with a bias on MLA's output
+    projection and without a query LoRA too (the 671B and 1T ones: tests/test_model_configs.py, against Hugging
+    Face's DeepseekV3 too)."""
     from models.provider import build_model, transformer_config
 
-    model = models.get(name)
+    model = models.get("deepseek-v3-tiny", **overrides)
     with torch.device("meta"):
         gpt = build_model(model, transformer_config(model, perform_initialization=False))
     assert sum(p.numel() for p in gpt.parameters()) == model.num_parameters()
