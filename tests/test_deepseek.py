@@ -146,6 +146,27 @@ def test_mla_and_mtp_flags_mean_what_they_mean_in_megatron_lm(one_rank):
     assert len(gpt.mtp.layers) == 1 and isinstance(gpt.mtp.layers[0].mtp_model_layer.self_attention, MLASelfAttention)
 
 
+def test_model_flops_of_deepseek_v3_are_megatron_lms_count():
+    """The training log's FLOPs per token of deepseek-v3 (MLA, dense-first MoE, the MTP layer) against Megatron-LM's
+    own ``num_floating_point_operations`` for the same flags, which halves the s x s products for the causal
+    mask where the log counts them whole (as it does for every model) and counts MTP's norms as matmuls."""
+    from adapter.training.megatron_lm_flags import megatron_lm_parser
+    from adapter.training.training_log import model_flops_per_token
+
+    training = pytest.importorskip("megatron.training.training")
+    hf, seq = DEEPSEEK_V3, 4096
+    args = megatron_lm_parser().parse_args([
+        "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432", "--num-attention-heads", "128",
+        "--seq-length", str(seq), "--max-position-embeddings", "163840", "--swiglu", "--multi-latent-attention",
+        "--q-lora-rank", "1536", "--kv-lora-rank", "512", "--qk-head-dim", "128", "--qk-pos-emb-head-dim", "64",
+        "--v-head-dim", "128", "--num-experts", "256", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "2048",
+        "--moe-shared-expert-intermediate-size", "2048", "--mtp-num-layers", "1", "--micro-batch-size", "1"])
+    args.padded_vocab_size, args.moe_layer_freq = hf["vocab_size"], [0] * 3 + [1] * 58
+    theirs = training.num_floating_point_operations(args, 1) / seq
+    causal_half = 3 * (61 + 1) * seq * hf["num_attention_heads"] * (128 + 64 + 128)
+    assert model_flops_per_token(models.get("deepseek-v3"), seq) - causal_half == pytest.approx(theirs, rel=1e-6)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"add_bias_linear": True, "moe_shared_expert_intermediate_size": None},
                                        {"q_lora_rank": None, "qk_layernorm": False, "mtp_num_layers": 2}])
 def test_the_tiny_models_megatron_parameters_are_its_configs(one_rank, overrides):

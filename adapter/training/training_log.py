@@ -30,9 +30,15 @@ def model_flops_per_token(model, seq_length: int) -> float:
     """Training FLOPs per token of ``model`` (a ModelConfig) at ``seq_length``: 6 x the matmul parameters a
     token passes through, plus each attention layer's scores and weighted sum over the whole sequence
     (12 x seq x width, s x s not halved for causality), plus each Gated DeltaNet layer's state work (per value
-    head the decay-and-correct update, the error and the readout, 2 dk dv FLOPs each, x 3 for training)."""
+    head the decay-and-correct update, the error and the readout, 2 dk dv FLOPs each, x 3 for training).
+    Multi-latent attention: its projections, and scores over the query/key head, the weighted sum over the value
+    head; each MTP layer: one more layer like the last, its 2h -> h projection and its own logits (as
+    Megatron-LM counts them)."""
     h, width = model.hidden_size, model.num_attention_heads * model.head_dim
-    attention = model.qkv_rows * h + width * h
+    attention, scores = model.qkv_rows * h + width * h, 2 * width
+    if model.multi_latent_attention:
+        attention = model.latent_attention_parameters()
+        scores = model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim)
     gdn_proj = model.gated_delta_net_parameters() - model.linear_value_head_dim  # no norm weight
     gdn_state = 3 * 3 * 2 * model.linear_key_head_dim * model.linear_value_head_dim * model.linear_num_value_heads
 
@@ -44,7 +50,10 @@ def model_flops_per_token(model, seq_length: int) -> float:
     full = sum(mixer == FULL_ATTENTION for mixer in model.mixers())
     linear = model.num_layers - full
     matmul_params = full * attention + linear * gdn_proj + mlps + model.vocab_size * h  # with the output layer
-    return 6 * matmul_params + 6 * 2 * full * seq_length * width + linear * gdn_state
+    mtp = model.mtp_num_layers or 0
+    last_mlp = moe if model.moe_layer_pattern()[-1] else mlp(model.ffn_hidden_size)
+    matmul_params += mtp * (attention + last_mlp + 2 * h * h + model.vocab_size * h)
+    return 6 * matmul_params + 6 * (full + mtp) * seq_length * scores + linear * gdn_state
 
 
 def aux_loss_names(args) -> list[str]:
