@@ -218,3 +218,16 @@ def test_deepseek_v3_tiny_through_the_npu_provider_gives_the_torch_providers_cur
     npu = logged_losses(runs)
     for i in reference:
         assert npu[i] == pytest.approx(reference[i], abs=1e-4), (npu, reference)
+
+
+
+def test_hugging_face_conversion_refuses_mla_and_mtp_in_one_line():
+    """No architecture here converts them yet: refused by name, not written as a Qwen3 (MoE) config, which a dense
+    MLA model with QK norms would otherwise look like."""
+    from models.hf import UnsupportedCheckpoint, architecture_for
+
+    dense_mla = models.get("gpt-tiny", num_query_groups=4, multi_latent_attention=True, q_lora_rank=16,
+                           qk_layernorm=True)
+    for model in (models.get("deepseek-v3-tiny"), dense_mla):
+        with pytest.raises(UnsupportedCheckpoint, match="multi_latent_attention=True"):
+            architecture_for(model)
