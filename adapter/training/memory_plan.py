@@ -12,6 +12,9 @@ ranks, over which the distributed optimizer shards):
   as the output layer, again by the last. A layer's attention, with a heads of size d (``kv_channels``) in g
   query groups: QKV of (a + 2g)d x h, the output projection of ad back to h (ad is h unless the head size
   is set apart from it, as Qwen3's 128 is), and with QK-norm (``qk_layernorm``) two norms of d, whole.
+  Multi-latent attention: every projection split over TP (megatron's local spec), the latents' norms whole;
+  its activations are counted as a standard attention's of the same heads (an estimate). The MTP layers are
+  the last stage's, each like the last layer with its 2h -> h projection and norms.
 - grads: DDP's contiguous ``main_grad`` buffer covers all P, fp32 when ``grad_reduce_in_fp32`` (Megatron-LM
   forces it for bf16), else the params dtype; the distributed optimizer reduce-scatters into it, it does not
   shrink it.
