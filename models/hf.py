@@ -211,6 +211,11 @@ def architecture_for(model: ModelConfig) -> str:
     """The HF architecture a megatron model of ``model`` is written back as."""
     if model.layer_types is not None:
         return hf_hybrid.architecture_for(model)
+    if model.multi_latent_attention or model.mtp_num_layers:
+        raise UnsupportedCheckpoint(
+            f"multi_latent_attention={model.multi_latent_attention}, mtp_num_layers={model.mtp_num_layers}: no "
+            "Hugging Face architecture here converts multi-latent attention or MTP layers (DeepSeek-V3's is not "
+            "written yet); keep this model as a megatron checkpoint")
     if model.qk_layernorm and not model.add_qkv_bias:
         return "Qwen3MoeForCausalLM" if model.num_experts is not None else "Qwen3ForCausalLM"
     if model.num_experts is not None or model.qk_layernorm:

@@ -12,6 +12,9 @@ ranks, over which the distributed optimizer shards):
   as the output layer, again by the last. A layer's attention, with a heads of size d (``kv_channels``) in g
   query groups: QKV of (a + 2g)d x h, the output projection of ad back to h (ad is h unless the head size
   is set apart from it, as Qwen3's 128 is), and with QK-norm (``qk_layernorm``) two norms of d, whole.
+  Multi-latent attention: every projection split over TP (megatron's local spec), the latents' norms whole;
+  its activations are counted as a standard attention's of the same heads (an estimate). The MTP layers are
+  the last stage's, each like the last layer with its 2h -> h projection and norms.
 - grads: DDP's contiguous ``main_grad`` buffer covers all P, fp32 when ``grad_reduce_in_fp32`` (Megatron-LM
   forces it for bf16), else the params dtype; the distributed optimizer reduce-scatters into it, it does not
   shrink it.
@@ -220,6 +223,11 @@ def _mixer_parameters(model: ModelConfig, mixer: str) -> tuple[int, int]:
     head, whole)."""
     if mixer == LINEAR_ATTENTION:
         return model.gated_delta_net_parameters() - model.linear_value_head_dim, model.linear_value_head_dim
+    if model.multi_latent_attention:  # every projection split over TP (megatron's local spec), the latents' norms whole
+        norms = (2 if model.normalization == "LayerNorm" else 1) * (
+            (model.q_lora_rank or 0) + model.kv_lora_rank) if model.qk_layernorm else 0
+        output_bias = model.hidden_size if model.add_bias_linear else 0  # the layer counts it
+        return model.latent_attention_parameters() - norms - output_bias, norms
     h, d, qkv = model.hidden_size, model.head_dim, model.qkv_rows
     qk_norms = 2 * (2 * d if model.normalization == "LayerNorm" else d) if model.qk_layernorm else 0
     # QKV: h -> (a + 2g)d rows; the output projection: the attention width ad -> h (ad = h unless kv_channels)
@@ -264,6 +272,11 @@ def _stage_parameters(model: ModelConfig, stage: int, pp: int, vpp: int | None, 
         whole += model.max_position_embeddings * h if model.position_embedding == "learned_absolute" else 0
     if stage == pp - 1:
         whole += 2 * h if model.normalization == "LayerNorm" else h
+        mtp = model.mtp_num_layers or 0  # each like the last layer, with its norms and 2h -> h projection
+        layer_split, layer_whole, layer_experts = _layer_parameters(model, pattern[-1], mixers[-1])
+        norms = model.mtp_layer_parameters() - model.layer_parameters(bool(pattern[-1])) - 2 * h * h
+        split, whole = split + mtp * (layer_split + 2 * h * h), whole + mtp * (layer_whole + norms)
+        experts += mtp * layer_experts
         # a tied output layer reuses the embedding on a single stage, and holds a copy of it on the last one
         if not model.tie_embeddings or pp > 1:
             split += model.vocab_size * h

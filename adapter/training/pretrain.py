@@ -115,7 +115,14 @@ def transformer_config_overrides(args) -> dict:
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
-        **recompute, **_moe_overrides(args))
+        **recompute, **_moe_overrides(args), **_mtp_overrides(args))
+
+
+def _mtp_overrides(args) -> dict:
+    """The weight of the MTP loss (Megatron-LM's --mtp-loss-scaling-factor); nothing without MTP layers."""
+    if args.model_config.mtp_num_layers is None:
+        return {}
+    return {"mtp_loss_scaling_factor": args.mtp_loss_scaling_factor}
 
 
 # Megatron-LM's MoE training arguments that are TransformerConfig fields of the same name and meaning.
@@ -378,12 +385,16 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             with log.excluded(), parameters_synced(model):
                 checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
+        if args.async_save:
+            checkpointing.finalize_async_saves()  # publishes what every rank has written
         stopped = preemption.stop_reason()
         if stopped or (args.exit_interval and iteration % args.exit_interval == 0):
             break
     with parameters_synced(model):
         if args.save and (not args.save_interval or iteration % args.save_interval):
             checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
+        if args.async_save:
+            checkpointing.finalize_async_saves(blocking=True)
         if stopped:
             _say_stopped(iteration, stopped, args.save)
         elif do_test and args.eval_iters:
