@@ -81,9 +81,44 @@ Summed for GeLU, MHA, unfused attention with dropout and f = 4h: 10h + 8h + 5as 
 paper's formula. For Qwen2.5 with flash attention and no dropout: (4eh)/t + (eh(2 + 2g/a) + 4a + 3ef)/t;
 Qwen3 adds QK-norm and its attention width is ad: (4eh)/t + (e*ad(2 + 2g/a) + (ed + 4)(a + g) + 4a + 3ef)/t.
 Selective recompute (megatron-core's default ``core_attn``) checkpoints core attention: its inputs (Q and the
-unrepeated K, V) and output stay, the scores or the log-sum-exp go. Full recompute keeps each checkpointed
-group's input, eh (over t with sequence parallelism): ``uniform`` with N layers per group keeps ceil(l/N)
-inputs for a chunk of l layers, ``block`` keeps the first N layers' inputs and the rest whole.
+unrepeated K, V) and output stay, the scores or the log-sum-exp go. Its other modules
+(``--recompute-modules``, megatron's TransformerConfig.recompute_modules) drop what they recompute and keep
+their inputs, which other terms count: ``layernorm`` the two norms' outputs (2eh of the 4eh), ``moe_act``
+each routed token's FC2 input (ef_e of 3ef_e), ``mlp`` a dense MLP's, ``moe`` a whole MoE block's (router,
+experts, shared expert), ``shared_experts`` the shared expert's, ``mla_up_proj`` MLA's up-projected q, k, v
+(below). Full recompute keeps each checkpointed group's input, eh (over t with sequence parallelism):
+``uniform`` with N layers per group keeps ceil(l/N) inputs for a chunk of l layers, ``block`` keeps the
+first N layers' inputs and the rest whole.
+
+Multi-latent attention (DeepSeek-V3, Kimi-K2), as megatron-core's ``MLASelfAttention`` of the local spec
+builds it. Parameters: the down projections h x q_lora (the query latent) and h x (kv_lora + r) (the key/value
+latent and the shared RoPE key of r = ``qk_pos_emb_head_dim``), the up projections q_lora x a(d_qk + r) and
+kv_lora x a(d_qk + d_v), the output projection a*d_v x h, all split over TP (the down projections are
+column-parallel, their outputs gathered); the two latents' norms whole. Without a query LoRA one h x a(d_qk + r)
+projection. What it keeps per token (checked against torch's saved-tensor hooks in tests/test_memory_plan_mla.py):
+in the sequence-parallel region the latents' norm inputs and outputs (the up projections' inputs,
+2e*q_lora + 2e*kv_lora) and their fp32 reciprocal RMS (4 each); without sequence parallelism the key latent's
+norm input is a view of the gathered down projection's output, so its storage holds the RoPE key too (+ e*r).
+Split over TP: the up-projected query and key per head, d_qk + r each, the value, d_v (e*a(2(d_qk + r) + d_v)),
+core attention's output (e*a*d_v) and its log-sum-exp (4a) or, unfused, its softmax (e*a*s). Recomputing
+``mla_up_proj`` releases q, k and v after core attention and keeps the up projection's inputs, which with
+sequence parallelism include the gathered down projection's output under the RoPE key: e*(kv_lora + r) of
+every token on each TP rank. The release reaches what a flash kernel saved (q, k, v as given); the unfused
+path (the torch provider's attention) saves head-major copies of them, which stay (measured in the test).
+RoPE's cos / sin tables (4 x e x r per position, not per token) are left out.
+
+Multi-token prediction (DeepSeek-V3's MTP layer, megatron's MTP block) lives on the last stage, which then
+also builds the word embedding (the MTP layer embeds the next tokens; a V x h copy over TP beside the output
+layer). Its parameters: a decoder layer like the last, the projection 2h -> h (split over TP) and three norms
+(``ModelConfig.mtp_layer_parameters``). Per micro-batch, held once like the logits: the next tokens'
+embedding, the projection's input (2eh), its decoder layer and its final norm's input (4eh over t with
+sequence parallelism, plus the layer), or under full uniform recompute (megatron checkpoints each MTP layer
+whole) the embedding only; and its own logits, counted in ``logits``: the output layer's input (eh), the
+logits and the cross entropy's fp32 copy ((e + 4)V/t).
+
+Uneven pipeline splits (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``, or
+the embedding / loss counted as a layer): each stage holds its own layer count, and a pass holds that many
+layers; the plan takes them without virtual stages.
 
 Micro-batches in flight (megatron-core 0.16.1, ``pipeline_parallel/schedules.py``,
 ``get_pp_rank_microbatches``): pipeline rank r runs ``w`` warmup forward passes, then one more forward before
@@ -377,9 +412,10 @@ def _latent_attention_activations(model: ModelConfig, e: int, seq_per_rank: int,
     # unless sequence parallelism scatters it apart), fp32 reciprocal RMS, and outputs (the up projections' inputs)
     latents = e * (2 * q_rank + 2 * kv_rank + (0 if sequence_parallel else rope)) + (8 if q_rank else 4)
     per_head = e * a * (2 * (model.qk_head_dim + rope) + model.v_head_dim)  # the up-projected q, k and v
-    if "mla_up_proj" in recomputed:
-        # the recomputed up projection drops q, k and v and keeps its inputs: with sequence parallelism the
-        # RoPE key holds the gathered down projection's output, all its tokens on every TP rank
+    if "mla_up_proj" in recomputed and flash_attention:
+        # the recomputed up projection releases q, k and v (which a flash kernel saved as given) and keeps its
+        # inputs: with sequence parallelism the RoPE key holds the gathered down projection's output, all its
+        # tokens on every TP rank
         per_head, gathered = 0, e * (kv_rank + rope) if sequence_parallel else 0
     else:
         gathered = 0
