@@ -17,8 +17,11 @@
 #   8 stages of 8), which megatron-core's arguments do not offer: 8 on the first stage (the 3 dense ones
 #   and the embedding), 8 on each of the 6 middle ones, 5 on the last, which also holds the output layer,
 #   the MTP layer (a MoE layer, its projection and norms, and its own copy of the word embedding) and both
-#   losses' logits. No virtual stages: megatron takes them with an uneven split only as a stage count, and
-#   the plan is 43.5 GiB at the peak without them (pipeline rank 7; rank 0 40.4 GiB).
+#   losses' logits. No virtual stages: with an uneven split megatron wants each stage's layers to divide
+#   into them, and 8 and 5 share no divisor. The plan is 43.5 GiB at the peak (pipeline rank 7; rank 0
+#   40.4 GiB).
+# - Full recompute, as MindSpeed: Megatron-LM's recipe recomputes only mlp, moe, mla_up_proj and layernorm
+#   (selective), but shards every weight with Megatron-FSDP; at this layout that would be 54.1 GiB on rank 0.
 # - The sequence-wise balance loss at 1e-4 and the router in fp32 (Megatron-LM's), not MindSpeed's fused
 #   router options; megatron-core's "alltoall" dispatcher and --moe-permute-fusion for MindSpeed's
 #   --moe-permutation-async-comm / --moe-alltoall-overlap-comm.
