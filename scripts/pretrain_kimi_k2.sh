@@ -4,15 +4,17 @@
 # length 4096 on 512 devices with 64 GB each: 64 nodes x 8 (Atlas 800T A2, or 8-GPU nodes), or NNODES=32
 # NPROC_PER_NODE=16 (Atlas A3).
 #
-# Recipe: no published megatron recipe for Kimi-K2 was at hand. Its report trains it with 16-way pipeline
-# parallelism, expert parallelism and ZeRO-1 (the distributed optimizer) on 80 GB devices; this launcher is
+# Recipe: no published megatron recipe for Kimi-K2 was at hand. Its technical report trains it with 16-way
+# pipeline parallelism (virtual stages), 16-way expert parallelism and ZeRO-1 (the distributed optimizer) on
+# 80 GB devices, with selective recompute and activations offloaded or kept in FP8; this launcher is
 # the project's DeepSeek-V3 one (scripts/pretrain_deepseek_v3.sh, after MindSpeed-LLM's 671B recipe: TP 1,
 # full recompute of every layer, micro-batch 1, global batch 7680, grouped expert GEMMs, all-to-all token
 # dispatch, the sequence-wise balance loss of 1e-4 beside the expert bias, the router in fp32, flash
 # attention, bf16) carried over to the larger model.
 #
 # What differs from it, and why:
-# - PP 16 x EP 32 (12 of the 384 experts on each device, expert DP 1) instead of PP 8 x EP 64: the 60 MoE
+# - EP 32, not the report's 16, so that a device's experts fit 64 GB (at EP 16 it would hold 24 a layer);
+#   PP 16 x EP 32 (12 of the 384 experts on each device, expert DP 1) instead of PP 8 x EP 64: the 60 MoE
 #   layers' experts are 1.5x DeepSeek-V3's, and at 8 stages a device would hold 8 layers x 6 experts, 50.1
 #   GiB in the plan; at 16 stages it holds 4 x 12 (fewer layers, each of more experts), 42.2 GiB at the peak.
 # - The uneven split of the 61 layers is 3 on the first stage (the dense one and the embedding), 4 on each of
