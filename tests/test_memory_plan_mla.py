@@ -63,6 +63,7 @@ def _measured_latent_attention(recompute_modules: list[str] | None) -> tuple[int
     return measured, model.seq_length * batch
 
 
+@pytest.mark.slow  # megatron's import and the model's build, ~10 s on 2 cores
 @pytest.mark.parametrize("modules", [None, ["mla_up_proj"]])
 def test_latent_attention_activations_match_what_megatrons_layer_saves(modules):
     """What the plan counts for MLA per token (latents, up-projected q / k / v, core attention's output and
