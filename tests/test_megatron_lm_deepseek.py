@@ -46,6 +46,7 @@ def _run(workdir: Path, nproc: int, args: list[str], **env) -> str:
     env = {**os.environ, "ADAPTER_BACKEND": "cpu", "OMP_NUM_THREADS": "1", **env,
            "PYTHONPATH": os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT), os.environ.get("PYTHONPATH"))
                                          if p)}
+    workdir.mkdir(parents=True, exist_ok=True)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(nproc), "-m", "adapter.run", str(megatron_lm_checkout() / "pretrain_gpt.py"), *args],
                           cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -75,6 +76,17 @@ def test_multi_latent_attention_trains_at_tp2(tmp_path, kernels):
     _falls(_losses(log), 6)
 
 
+def test_mla_rope_fusion_trains_the_curve_of_megatrons_unfused_rope(tmp_path):
+    """Megatron-LM's default --apply-rope-fusion with MLA's YaRN RoPE runs megatron's fused entry points (off
+    CUDA the adapter's torch version of its Triton kernels); --no-rope-fusion, megatron's unfused RoPE: the
+    same loss curve."""
+    args = TINY + MLA + ["--train-iters", "4"]
+    fused, unfused = (_losses(_run(tmp_path / name, 1, args + extra))
+                      for name, extra in (("fused", []), ("unfused", ["--no-rope-fusion"])))
+    _falls(fused, 4)
+    assert fused == pytest.approx(unfused, rel=1e-5), (fused, unfused)
+
+
 def test_deepseek_v3_flag_set_trains_at_pp2_ep2_tp2(tmp_path):
     args = TINY + MLA + DEEPSEEK_V3_MOE + ["--train-iters", "4", "--pipeline-model-parallel-size", "2",
                                           "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
@@ -82,4 +94,3 @@ def test_deepseek_v3_flag_set_trains_at_pp2_ep2_tp2(tmp_path):
     log = _run(tmp_path, 8, args)
     _falls(_losses(log), 4)
     assert re.search(r"mtp_1 loss: \S+", log) and re.search(r"seq_load_balancing_loss: \S+", log), log[-3000:]
-    assert log.count("megatron's fused MLA RoPE is a CUDA Triton kernel") == 1  # said once per job

@@ -111,7 +111,8 @@ def _mla_layer(config):
 
 
 # YaRN as DeepSeek-V3 (scaling factor 40, mscale_all_dim 1): scale = (0.1 ln 40 + 1)^2 / sqrt(q head size);
-# apply_rope_fusion asks for megatron's Triton MLA RoPE, which off CUDA runs unfused (patches/kernels.py).
+# apply_rope_fusion calls megatron's fused MLA RoPE entry points, off CUDA the adapter's torch version of its
+# Triton kernels (adapter/kernels/mla_rope.py, through patches/kernels.py).
 ROPES = {"rope": ({}, 1.0),
          "yarn_fused": (dict(rope_type="yarn", rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0,
                              apply_rope_fusion=True), (0.1 * math.log(40.0) + 1.0) ** 2)}
@@ -147,3 +148,111 @@ def test_megatron_mla_self_attention_trains_through_the_adapter_spec(provider, m
     torch.testing.assert_close(seen["got"], seen["want"], atol=1e-5, rtol=1e-5)
     assert layer.softmax_scale == pytest.approx(ROPES[rope][1] / math.sqrt(16 + 8))
     called(provider, "npu_fusion_attention")
+
+
+# ------------------------------------------------------------------- MLA's fused YaRN RoPE off the GPU
+class _CPGroup:
+    """What megatron's thd RoPE asks of a context-parallel group: its size and this rank."""
+
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def _yarn(emb_dim):
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    return YarnRotaryEmbedding(emb_dim, use_cpu_initialization=True, scaling_factor=40.0,
+                               original_max_position_embeddings=4, mscale=1.0, mscale_all_dim=0.0)
+
+
+def _unfused(t, freqs, mscale, cu_seqlens, cp):
+    """megatron's unfused MLA RoPE (MLASelfAttention with apply_rope_fusion=False): apply_rotary_pos_emb with
+    MLA's interleaved read, YaRN's mscale, and for thd the CP rank's chunks of each sequence."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=True)
+    return apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=_CPGroup(*cp),
+                                mla_rotary_interleaved=True)
+
+
+QK, EMB, V, MAX_SEQ = 16, 8, 12, 12
+# sbhd [12, 2, ...]; thd: sequences of 8 and 12 tokens whole, and CP ranks 0 and 1 of 2 (chunks r, 3 - r)
+LAYOUTS = {"sbhd": (None, (1, 0)), "thd": ([0, 8, 20], (1, 0)), "thd_cp2_rank0": ([0, 8, 20], (2, 0)),
+           "thd_cp2_rank1": ([0, 8, 20], (2, 1))}
+
+
+def _rope_inputs(layout):
+    """(cu_seqlens, (cp size, rank), leading dims of this rank's tokens, megatron's freqs and mscale, cos, sin)."""
+    bounds, cp = LAYOUTS[layout]
+    yarn = _yarn(EMB)
+    freqs, mscale = yarn(MAX_SEQ, packed_seq=bounds is not None)
+    cos, sin = yarn.get_cached_cos_sin(MAX_SEQ, dtype=torch.float32, packed_seq=bounds is not None)
+    if bounds is None:
+        return None, cp, (SEQ, BATCH), freqs, mscale, cos, sin
+    return torch.tensor(bounds, dtype=torch.int32), cp, (bounds[-1] // cp[0],), freqs, mscale, cos, sin
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fused_mla_rope_for_q_is_megatrons_unfused_rope(layout):
+    """megatron's entry point (the Triton kernel's on CUDA), forward and backward, against its unfused RoPE."""
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as fused
+
+    cu_seqlens, cp, rows, freqs, mscale, cos, sin = _rope_inputs(layout)
+    q = randn(*rows, HEADS, QK + EMB, seed=1)
+    got = forward_backward(lambda t: fused.fused_apply_mla_rope_for_q(t, cos, sin, QK, EMB, cu_seqlens, cp[1], cp[0]),
+                           leaves(q))
+
+    def unfused(t):
+        nope, pe = torch.split(t, [QK, EMB], dim=-1)
+        return torch.cat([nope, _unfused(pe, freqs, mscale, cu_seqlens, cp)], dim=-1)
+
+    assert_all_close(got, forward_backward(unfused, leaves(q)), torch.float32)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fused_mla_rope_for_kv_is_megatrons_unfused_rope(layout):
+    """Key: the heads' own part, then the rotated shared k_pos_emb; value: the rest. Gradients to kv and
+    k_pos_emb (summed over the heads sharing it)."""
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as fused
+
+    cu_seqlens, cp, rows, freqs, mscale, cos, sin = _rope_inputs(layout)
+    kv, k_pos_emb = randn(*rows, HEADS, QK + V, seed=2), randn(*rows, 1, EMB, seed=3)
+
+    def fused_kv(kv, k_pos_emb):
+        key, value = fused.fused_apply_mla_rope_for_kv(kv, k_pos_emb, cos, sin, EMB, QK, V, cu_seqlens, cp[1], cp[0])
+        return torch.cat([key.flatten(), value.flatten()])
+
+    def unfused(kv, k_pos_emb):
+        k_nope, value = torch.split(kv, [QK, V], dim=-1)
+        rotated = _unfused(k_pos_emb, freqs, mscale, cu_seqlens, cp).expand(*rows, HEADS, EMB)
+        return torch.cat([torch.cat([k_nope, rotated], dim=-1).flatten(), value.flatten()])
+
+    assert_all_close(forward_backward(fused_kv, leaves(kv, k_pos_emb)),
+                     forward_backward(unfused, leaves(kv, k_pos_emb)), torch.float32)
+
+
+def test_mla_layer_with_rope_fusion_is_the_layer_without(provider, monkeypatch):
+    """megatron's MLASelfAttention with apply_rope_fusion (its fused entry points, answered off CUDA by the
+    adapter) and without (megatron's unfused RoPE), same weights and input: output and every gradient."""
+    monkeypatch.setattr(kernels, "current", lambda: provider)
+    kernels.core_attention_module.cache_clear()
+    yarn = dict(rope_type="yarn", rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0)
+    runs = []
+    try:
+        for fusion in (True, False):
+            torch.manual_seed(0)
+            layer = _mla_layer(_mla_config(**yarn, apply_rope_fusion=fusion))
+            hidden = randn(SEQ, BATCH, 64, seed=4).requires_grad_(True)
+            runs.append(forward_backward(lambda x, layer=layer: layer(x, attention_mask=None)[0], [hidden])
+                        + [p.grad for p in layer.parameters()])
+    finally:
+        kernels.core_attention_module.cache_clear()
+    assert_all_close(runs[0], runs[1], torch.float32)
