@@ -10,12 +10,14 @@ A provider entry of None leaves megatron's own implementation in place. With mul
 computation in torch (adapter/kernels/mla_rope.py) answers them on the cpu and npu backends.
 """
 
+import functools
 from functools import partial
 
 from packaging.version import Version
 
 from adapter import kernels
-from adapter.kernels import mla_rope
+from adapter.cuda_only_features import RefusedSetting
+from adapter.kernels import context_parallel, mla_rope
 from adapter.registry import installed_megatron_core_version
 
 _BACKENDS = "megatron.core.models.backends:LocalSpecProvider"
@@ -100,6 +102,27 @@ def _fused_interleaved_rope_allowed(post_init):
     return __post_init__
 
 
+def _mla_ring_attention_refused(validate_args):
+    """Megatron-LM's ``validate_args``: multi-latent attention over ring (p2p) context parallelism, whose
+    query/key and value head sizes differ, is refused in one line before any model is built (the core
+    attention's own refusal comes at model build, on every rank)."""
+
+    @functools.wraps(validate_args)
+    def validate(args, *rest, **kwargs):
+        if not getattr(args, "multi_latent_attention", False) or args.context_parallel_size == 1:
+            return validate_args(args, *rest, **kwargs)
+        comm_types = args.cp_comm_type if isinstance(args.cp_comm_type, (list, tuple)) else [args.cp_comm_type]
+        qk, v = args.qk_head_dim + args.qk_pos_emb_head_dim, args.v_head_dim
+        if qk != v and any((kind or "p2p") == "p2p" for kind in comm_types):
+            raise RefusedSetting(
+                f"--multi-latent-attention (query/key head size {qk} = --qk-head-dim + --qk-pos-emb-head-dim, value "
+                f"head size {v}) with --context-parallel-size {args.context_parallel_size} and --cp-comm-type "
+                f"{' '.join(map(str, comm_types))}: {context_parallel.RING_HEAD_SIZES}; use --cp-comm-type a2a")
+        return validate_args(args, *rest, **kwargs)
+
+    return validate
+
+
 def _register_moe_permutation(registry, versions: str, provider) -> None:
     """``moe_permute_fusion`` runs the provider's permutation. Without Transformer Engine, moe_utils leaves
     its fused names unbound (0.16) or binds them to None (0.17+; a bind goes over None) and ``HAVE_TE``
@@ -130,6 +153,9 @@ def register(registry, versions: str) -> None:
         registry.replace(f"{_MLA_ROPE}:{name}", getattr(mla_rope, name), versions=versions, backends=("cpu", "npu"),
                          reason="apply_rope_fusion with MLA: megatron's Triton kernel needs a GPU; the same "
                                 "computation in torch")
+    registry.wrap("megatron.training.arguments:validate_args", _mla_ring_attention_refused, versions=versions,
+                  backends=("cpu", "npu"), reason="MLA over ring context parallelism: the adapter's ring attention "
+                                                  "takes one head size; one line before any model is built")
     if provider.installed_norm() is None:
         for target in ("megatron.core.transformer.transformer_block:LayerNormImpl",
                        "megatron.core.models.gpt.gpt_layer_specs:LNImpl"):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from adapter.core_source import megatron_lm_checkout
-from tests.distributed import ROOT
+from tests.distributed import ROOT, free_port
 
 pytestmark = [pytest.mark.megatron_lm, pytest.mark.multiproc, pytest.mark.slow]
 
@@ -85,6 +85,32 @@ def test_mla_rope_fusion_trains_the_curve_of_megatrons_unfused_rope(tmp_path):
                       for name, extra in (("fused", []), ("unfused", ["--no-rope-fusion"])))
     _falls(fused, 4)
     assert fused == pytest.approx(unfused, rel=1e-5), (fused, unfused)
+
+
+def test_mla_over_ulysses_context_parallelism_trains_the_curve_without(tmp_path):
+    """MLA at CP2 with --cp-comm-type a2a (24-wide query/key, 16-wide value heads through the all-to-all)
+    against the same run on one rank without context parallelism."""
+    args = TINY + MLA + ["--train-iters", "4"]
+    cp2 = _losses(_run(tmp_path / "cp2", 2, args + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]))
+    _falls(cp2, 4)
+    assert cp2 == pytest.approx(_losses(_run(tmp_path / "cp1", 1, args)), rel=1e-4)
+
+
+def test_mla_over_ring_context_parallelism_is_refused_in_one_line_before_the_model(tmp_path):
+    """Through scripts/launch.py (torchrun itself prints a traceback of its own for a failed rank)."""
+    env = {**os.environ, "ADAPTER_BACKEND": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch.py"), "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "adapter.run",
+                           str(megatron_lm_checkout() / "pretrain_gpt.py"), *TINY, *MLA, "--train-iters", "4",
+                           "--context-parallel-size", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    log = done.stdout + done.stderr
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1, log[-4000:]
+    assert "--cp-comm-type p2p: the adapter's ring attention" in errors[0], errors
+    assert errors[0].endswith("use --cp-comm-type a2a") and "Traceback" not in log, log[-4000:]
+    assert "building GPT model" not in log, log[-4000:]
 
 
 def test_deepseek_v3_flag_set_trains_at_pp2_ep2_tp2(tmp_path):

@@ -86,10 +86,76 @@ def test_packed_sequences_with_separate_value_head_size(provider):
     assert_all_close(got, forward_backward(per_sequence, leaves(q, k, v)), torch.float32)
 
 
-def test_context_parallel_with_separate_head_sizes_is_refused_in_one_line(provider):
-    config = attention_config(heads=HEADS, groups=HEADS, head_dim=16, context_parallel_size=2)
-    with pytest.raises(kernels.UnsupportedKernelSetting, match="context_parallel_size=2 with key head size 24"):
-        _core_attention(provider, config, 24, 16)
+def test_ring_attention_with_separate_head_sizes_is_refused_and_ulysses_takes_them(provider):
+    """Ulysses with MLA's head sizes is held to whole-sequence attention in tests/test_context_parallel.py."""
+    ring = attention_config(heads=HEADS, groups=HEADS, head_dim=16, context_parallel_size=2, cp_comm_type="p2p")
+    with pytest.raises(kernels.UnsupportedKernelSetting, match="cp_comm_type='p2p' with query/key head size 24 != "
+                                                               "value head size 16.*use cp_comm_type='a2a'"):
+        _core_attention(provider, ring, 24, 16)
+    ulysses = attention_config(heads=HEADS, groups=HEADS, head_dim=16, context_parallel_size=2, cp_comm_type="a2a")
+    assert _core_attention(provider, ulysses, 24, 16).cp_kind == "a2a"
+
+
+# Megatron-LM's arguments for MLA over context parallelism (query/key head 16 + 8, value head 16)
+MLA_CP_ARGS = dict(multi_latent_attention=True, context_parallel_size=2, qk_head_dim=16, qk_pos_emb_head_dim=8,
+                   v_head_dim=16)
+
+
+@pytest.mark.parametrize("comm_types", [["p2p"], ["a2a", "p2p"]])
+def test_megatron_lms_validate_args_refuses_mla_over_ring_attention_in_one_line(comm_types):
+    from types import SimpleNamespace
+
+    from adapter.cuda_only_features import RefusedSetting
+    from patches.kernels import _mla_ring_attention_refused
+
+    ran = []
+    with pytest.raises(RefusedSetting) as refused:
+        _mla_ring_attention_refused(ran.append)(SimpleNamespace(**MLA_CP_ARGS, cp_comm_type=comm_types))
+    line = str(refused.value)
+    assert "\n" not in line and ran == [], line  # before megatron's own checks, so before any model
+    assert line.startswith("--multi-latent-attention (query/key head size 24") and "value head size 16" in line
+    assert f"--cp-comm-type {' '.join(comm_types)}:" in line and line.endswith("use --cp-comm-type a2a"), line
+
+
+@pytest.mark.parametrize("args", [dict(cp_comm_type=["a2a"]), dict(cp_comm_type=["p2p"], v_head_dim=24),
+                                  dict(cp_comm_type=["p2p"], context_parallel_size=1),
+                                  dict(cp_comm_type=["p2p"], multi_latent_attention=False)],
+                         ids=["ulysses", "equal_sizes", "no_cp", "no_mla"])
+def test_what_the_adapters_attention_runs_passes_validate_args(args):
+    from types import SimpleNamespace
+
+    from patches.kernels import _mla_ring_attention_refused
+
+    assert _mla_ring_attention_refused(lambda a: "megatron's")(SimpleNamespace(**{**MLA_CP_ARGS, **args})) == \
+        "megatron's"
+
+
+# Megatron-LM's argument parsing and validate_args (the wheel's megatron.training), as pretrain_gpt.py starts
+_VALIDATE = """
+from megatron.training.arguments import parse_args, validate_args
+validate_args(parse_args())
+print("validated")
+"""
+MLA_FLAGS = ["--multi-latent-attention", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+             "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+             "--max-position-embeddings", "64", "--micro-batch-size", "1", "--context-parallel-size", "2"]
+
+
+@pytest.mark.slow
+def test_under_adapter_run_mla_over_ring_attention_is_one_line_and_status_2(tmp_path):
+    """Through the wheel's megatron.training (no checkout needed); the ulysses spelling trains in
+    tests/test_megatron_lm_deepseek.py."""
+    import subprocess
+    import sys
+
+    from tests.distributed import _base_env
+
+    (tmp_path / "start.py").write_text(_VALIDATE)
+    env = _base_env({"ADAPTER_BACKEND": "cpu", "RANK": "0", "WORLD_SIZE": "2"})
+    ring = subprocess.run([sys.executable, "-m", "adapter.run", "start.py", *MLA_FLAGS, "--cp-comm-type", "p2p"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert ring.returncode == 2 and "Traceback" not in ring.stderr and "validated" not in ring.stdout, ring.stderr
+    assert ring.stderr.strip().splitlines()[-1].startswith("error: --multi-latent-attention (query/key head size 24")
 
 
 def _mla_config(dtype=torch.float32, **rope):
