@@ -76,15 +76,27 @@ def test_multi_latent_attention_trains_at_tp2(tmp_path, kernels):
     _falls(_losses(log), 6)
 
 
-def test_mla_rope_fusion_trains_the_curve_of_megatrons_unfused_rope(tmp_path):
+@pytest.fixture(scope="module")
+def mla_curves(tmp_path_factory):
+    """MLA on one rank, 4 iterations: as Megatron-LM's defaults run it (--apply-rope-fusion), with
+    --no-rope-fusion, and with --recompute-modules mla_up_proj."""
+    workdir = tmp_path_factory.mktemp("mla")
+    runs = {"fused": [], "unfused": ["--no-rope-fusion"],
+            "mla_up_proj": ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"]}
+    return {name: _losses(_run(workdir / name, 1, TINY + MLA + ["--train-iters", "4"] + extra))
+            for name, extra in runs.items()}
+
+
+def test_mla_rope_fusion_trains_the_curve_of_megatrons_unfused_rope(mla_curves):
     """Megatron-LM's default --apply-rope-fusion with MLA's YaRN RoPE runs megatron's fused entry points (off
     CUDA the adapter's torch version of its Triton kernels); --no-rope-fusion, megatron's unfused RoPE: the
     same loss curve."""
-    args = TINY + MLA + ["--train-iters", "4"]
-    fused, unfused = (_losses(_run(tmp_path / name, 1, args + extra))
-                      for name, extra in (("fused", []), ("unfused", ["--no-rope-fusion"])))
-    _falls(fused, 4)
-    assert fused == pytest.approx(unfused, rel=1e-5), (fused, unfused)
+    _falls(mla_curves["fused"], 4)
+    assert mla_curves["fused"] == pytest.approx(mla_curves["unfused"], rel=1e-5), mla_curves
+
+
+def test_recomputing_mla_up_proj_trains_the_curve_of_no_recompute(mla_curves):
+    assert mla_curves["mla_up_proj"] == mla_curves["fused"]  # as logged; bit for bit in test_selective_recompute.py
 
 
 def test_mla_over_ulysses_context_parallelism_trains_the_curve_without(tmp_path):
