@@ -1,6 +1,7 @@
 """Selective recompute of every module megatron accepts, without Transformer Engine (issue 43), on a tiny GPT
 built by models/provider.py with the recompute settings in its TransformerConfig (``mla_up_proj``: a tiny
-multi-latent attention GPT from megatron's local spec): the loss curve equals the curve without recompute, and the activation bytes held for backward shrink where the module holds any.
+multi-latent attention GPT from megatron's local spec): the loss curve equals the curve without recompute,
+and the activation bytes held for backward shrink where the module holds any.
 
 megatron's recompute reruns the same ops on the same inputs with the same RNG states, so the curve is
 bit-exact, except where recompute changes the ORDER in which autograd sums a tensor's gradients:
