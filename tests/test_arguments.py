@@ -84,7 +84,8 @@ REFUSED = [
      "--num-layers-per-virtual-pipeline-stage with an uneven pipeline split"),
     ([*BARE, "--multi-latent-attention", "--disable-bias-linear", "--context-parallel-size", "2",
       "--attention-dropout", "0"], 2,
-     "--context-parallel-size 2 with multi-latent attention's key heads of 192 and value heads of 128"),
+     "--context-parallel-size 2 --cp-comm-type p2p with multi-latent attention's key heads of 192 and value heads "
+     "of 128: the adapter's ring attention"),
     ([*BARE, "--multi-latent-attention", "--add-qkv-bias"], 2,
      "multi_latent_attention with add_qkv_bias=True: megatron's MLA is a GPT stack's attention"),
     ([*MOE, "--moe-router-num-groups", "4"], 2, "--moe-router-num-groups and --moe-router-group-topk go together"),
@@ -149,6 +150,10 @@ def test_context_parallel_takes_its_ranks_from_data_parallel_and_one_comm_type()
     args = validate_args(parse_args([*TINY, "--context-parallel-size", "2", "--attention-dropout", "0",
                                      "--cp-comm-type", *["a2a"] * 4]), 2)
     assert args.cp_comm_type == "a2a"
+    mla = validate_args(parse_args([*BARE, "--multi-latent-attention", "--disable-bias-linear",
+                                    "--context-parallel-size", "2", "--attention-dropout", "0", "--cp-comm-type",
+                                    "a2a"]), 2)
+    assert mla.model_config.multi_latent_attention and mla.cp_comm_type == "a2a"  # Ulysses takes MLA's head sizes
 
 
 def test_the_resilience_arguments_keep_megatron_lms_names_and_defaults():

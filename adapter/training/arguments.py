@@ -19,6 +19,7 @@ from typing import NoReturn
 
 import models
 from adapter.parallel import ModelShape, ParallelConfigError, PipelineSplit, check_sizes
+from adapter.kernels import context_parallel
 from models import checkpoint_dir
 
 
@@ -566,9 +567,9 @@ def _check_context_parallel(args: argparse.Namespace) -> None:
     _require(args.cp_comm_type in SUPPORTED_CP_COMM_TYPES,
              f"--cp-comm-type {args.cp_comm_type}: not supported by the adapter's CP attention: use p2p or a2a")
     key, value = model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
-    _require(not model.multi_latent_attention or key == value,
-             f"--context-parallel-size {cp} with multi-latent attention's key heads of {key} and value heads of "
-             f"{value}: the adapter's CP attention takes one head size; use --context-parallel-size 1 with MLA")
+    _require(not model.multi_latent_attention or key == value or args.cp_comm_type != "p2p",
+             f"--context-parallel-size {cp} --cp-comm-type p2p with multi-latent attention's key heads of {key} and "
+             f"value heads of {value}: {context_parallel.RING_HEAD_SIZES}; use --cp-comm-type a2a")
     heads, groups = model.num_attention_heads // tp, model.num_query_groups // tp
     _require(args.cp_comm_type != "a2a" or (heads % cp == 0 and groups % cp == 0),
              f"--cp-comm-type a2a spreads each TP rank's {heads} attention heads and {groups} query groups over "
