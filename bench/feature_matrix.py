@@ -109,6 +109,8 @@ FEATURES = (
     _f("DeepSeek-V3 router", [*MOE, *DSV3_ROUTER]),
     _f("multi-token prediction", ["--mtp-num-layers", "1"]),
     _f("multi-latent attention", MLA),
+    _f("multi-latent attention, CP2 a2a", [*MLA, "--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+    _f("multi-latent attention, CP2 p2p", [*MLA, "--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
     _f("DeepSeek-V3 (MLA, MTP, its router) PP2 EP2",
        [*MLA, *MOE, *DSV3_ROUTER, "--mtp-num-layers", "1", "--moe-layer-freq", "([0]*1+[1]*3)",
         "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], nproc=4),
