@@ -115,7 +115,14 @@ def transformer_config_overrides(args) -> dict:
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
-        **recompute, **_moe_overrides(args))
+        **recompute, **_moe_overrides(args), **_mtp_overrides(args))
+
+
+def _mtp_overrides(args) -> dict:
+    """The weight of the MTP loss (Megatron-LM's --mtp-loss-scaling-factor); nothing without MTP layers."""
+    if args.model_config.mtp_num_layers is None:
+        return {}
+    return {"mtp_loss_scaling_factor": args.mtp_loss_scaling_factor}
 
 
 # Megatron-LM's MoE training arguments that are TransformerConfig fields of the same name and meaning.
