@@ -268,3 +268,25 @@ def test_verify_command_checks_a_deepseek_checkpoint_at_ep2(converted):
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"max \|logit difference\| \S+ over \(2, 32, 96\) logits \(TP 1, PP 1, EP 2; atol 1e-05\): OK",
                      done.stdout), done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_checkpoint_megatron_saved_at_ep2_tp2_converts_to_transformers_and_back(tmp_path):
+    """deepseek-v3-tiny (its router rating each group by its best two experts, as DeepSeek's does) saved by megatron
+    at EP2 x TP2 with the flow's grouped experts: written as HF with a config.json built from the model, it gives
+    megatron's logits in transformers, reads back as the same model and converts back bit-exactly."""
+    from tests.conversion_ranks import save_like_training
+
+    model = models.get("deepseek-v3-tiny").replace(moe_router_group_topk=1)
+    trained = tmp_path / "trained"
+    before = _same_on_every_rank(run_ranks(4, save_like_training, model, str(trained), 2, 1, 100, 2,
+                                           dict(moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")))
+    hf_dir = mcore_to_hf(trained, tmp_path / "hf", model=model, progress=False)
+    assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert hf_format.config_from_hf(json.loads((hf_dir / "config.json").read_text())).replace(
+        seq_length=model.seq_length) == model
+    assert (hf_logits_of(str(hf_dir), model.vocab_size) - before).abs().max().item() < 1e-5
+    hf_to_mcore(hf_dir, tmp_path / "back", progress=False)
+    again = hf_state(mcore_to_hf(tmp_path / "back", tmp_path / "again", progress=False))
+    assert all(torch.equal(t, again[k]) for k, t in hf_state(hf_dir).items())
