@@ -188,8 +188,9 @@ def _check_expressible(model: ModelConfig) -> None:
 
 
 def _moe_json(model: ModelConfig) -> dict:
-    if model.num_experts is None:
-        return {"first_k_dense_replace": model.num_layers, "n_routed_experts": None, "n_shared_experts": 0}
+    if model.num_experts is None:  # every layer dense; transformers still wants (unused) expert fields
+        return {"first_k_dense_replace": model.num_layers, "n_routed_experts": 1, "num_experts_per_tok": 1,
+                "n_shared_experts": 0, "n_group": 1, "topk_group": 1}
     groups = model.moe_router_num_groups
     return {"first_k_dense_replace": model.moe_layer_pattern().index(1), "n_routed_experts": model.num_experts,
             "moe_intermediate_size": model.expert_ffn_hidden_size, "num_experts_per_tok": model.moe_router_topk,

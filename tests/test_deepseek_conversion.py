@@ -215,6 +215,20 @@ def test_a_written_config_json_is_what_transformers_builds(converted):
             k: v for k, v in theirs.rope_parameters.items() if k != "type"} or model.rotary_scaling_factor == 1
 
 
+def test_a_dense_mla_model_writes_a_config_transformers_takes():
+    import transformers
+
+    dense = models.get("deepseek-v3-tiny").replace(
+        num_experts=None, moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None, moe_router_topk=2,
+        moe_layer_freq=1, moe_router_score_function="softmax", moe_router_enable_expert_bias=False,
+        moe_router_num_groups=None, moe_router_group_topk=None, moe_router_topk_scaling_factor=None,
+        moe_aux_loss_coeff=0.0)
+    written = hf_format.config_to_hf(dense)
+    config = transformers.DeepseekV3Config(**{k: v for k, v in written.items() if k != "architectures"})
+    assert config.first_k_dense_replace == dense.num_layers
+    assert hf_format.config_from_hf(written).replace(seq_length=dense.seq_length) == dense
+
+
 def _edited(**changes) -> dict:
     return {**DEEPSEEK_V3_JSON, **changes}
 
