@@ -397,6 +397,7 @@ def mcore_to_hf(load_dir, save_dir, iteration=None, model: ModelConfig | None = 
 
         def dtype_of(site: Site) -> torch.dtype:  # each tensor keeps its dtype unless --dtype casts them all
             return cast or stored[site.key].dtype
+
         config = raw_config or hf_format.config_to_hf(model, architecture, target)
         if dtype is not None:  # transformers < 5 reads torch_dtype, 5 writes dtype
             name = str(target).removeprefix("torch.")
