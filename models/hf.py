@@ -219,6 +219,10 @@ def architecture_for(model: ModelConfig) -> str:
         return hf_hybrid.architecture_for(model)
     if hf_deepseek.fits(model):
         return hf_deepseek.DEEPSEEK_V3
+    if model.mtp_num_layers:
+        raise UnsupportedCheckpoint(f"mtp_num_layers={model.mtp_num_layers} without multi-latent attention: the one "
+                                    "Hugging Face architecture here with MTP layers is DeepSeek-V3's; keep this "
+                                    "model as a megatron checkpoint")
     if model.qk_layernorm and not model.add_qkv_bias:
         return "Qwen3MoeForCausalLM" if model.num_experts is not None else "Qwen3ForCausalLM"
     if model.num_experts is not None or model.qk_layernorm:

@@ -256,6 +256,8 @@ def test_a_megatron_model_deepseek_cannot_hold_is_refused_by_name():
     transformers rates a group by its best two, so no DeepseekV3ForCausalLM computes that router."""
     with pytest.raises(hf_format.UnsupportedCheckpoint, match="group-limited routing with topk != 2 x group_topk"):
         hf_format.config_to_hf(models.get("deepseek-v3-tiny"))
+    with pytest.raises(hf_format.UnsupportedCheckpoint, match="mtp_num_layers=1 without multi-latent attention"):
+        hf_format.config_to_hf(models.get("qwen3-tiny").replace(mtp_num_layers=1))
     tiny = models.get("deepseek-v3-tiny").replace(moe_router_group_topk=1)
     assert hf_format.config_from_hf(hf_format.config_to_hf(tiny)).replace(seq_length=tiny.seq_length) == tiny
 
