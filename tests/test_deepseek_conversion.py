@@ -62,6 +62,22 @@ def test_megatron_logits_equal_transformers_at_every_layout(converted, name):
     for i, layout in enumerate(MOE_LAYOUTS):
         ours = _same_on_every_rank([logits[i] for logits in per_rank])
         assert (ours - reference).abs().max().item() < 1e-5, f"(TP, PP, EP) = {layout}"
+    if model.rotary_scaling_factor > 1:  # and the bound is sharp: transformers' other RoPE layout, or YaRN without
+        for change in (dict(rope_interleave=False),  # its attention factor, give other logits
+                       dict(rope_parameters={**json.loads((hf_dir / "config.json").read_text())["rope_parameters"],
+                                             "mscale": 1.0})):
+            other = _edited_copy(hf_dir, mcore_dir.parent / "variant", **change)
+            assert (hf_logits_of(str(other), model.vocab_size) - reference).abs().max().item() > 1e-4, change
+
+
+def _edited_copy(hf_dir, directory, **changes):
+    import shutil
+
+    shutil.rmtree(directory, ignore_errors=True)
+    shutil.copytree(hf_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+    return directory
 
 
 def megatron_mtp_logits(model, load_dir: str):
