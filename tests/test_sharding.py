@@ -77,18 +77,19 @@ MEGATRON_FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "op
 @pytest.mark.megatron_lm
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_megatron_lm_saves_megatron_fsdp_at_dp2_and_resumes_on_the_uninterrupted_curve(tmp_path):
-    """Megatron-LM's flow, 6 iterations saving every 2, then a run resumed from its checkpoint of 2: the
-    uninterrupted losses at 3, 5 and 6 (Megatron-LM logs the mean of the first two iterations after a restart
-    as the second). Without --swiglu: Megatron-LM's fsdp_dtensor save of a SwiGLU model fails on every backend
-    (``handle_swiglu_in_state_dict`` asks the unwrapped model for ``module.module.<key>``: NVIDIA/Megatron-LM
-    issues 2035 and 5265)."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_lm_saves_megatron_fsdp_and_resumes_on_the_uninterrupted_curve(tp, tmp_path):
+    """Megatron-LM's flow at DP2 (and TP2 x DP2), 6 iterations saving every 2, then a run resumed from its
+    checkpoint of 2: the uninterrupted losses at 3, 5 and 6 (Megatron-LM logs the mean of the first two
+    iterations after a restart as the second). Without --swiglu: Megatron-LM's fsdp_dtensor save of a SwiGLU
+    model fails on every backend (``handle_swiglu_in_state_dict`` asks the unwrapped model for
+    ``module.module.<key>``: NVIDIA/Megatron-LM issues 2035 and 5265)."""
     from tests.test_megatron_lm import _checkpoint_at, _losses, _run
     from tests.test_megatron_lm_recipes import TINY
 
-    tiny = [arg for arg in TINY if arg != "--swiglu"]
-    whole = _losses(_run(tmp_path, "whole", 2, [*tiny, *MEGATRON_FSDP, "--save", "saved", "--save-interval", "2"]))
+    flags = [*(arg for arg in TINY if arg != "--swiglu"), *MEGATRON_FSDP, "--tensor-model-parallel-size", str(tp)]
+    whole = _losses(_run(tmp_path, "whole", 2 * tp, [*flags, "--save", "saved", "--save-interval", "2"]))
     load = _checkpoint_at(tmp_path / "saved", 2, tmp_path / "at-2")
-    resumed = _losses(_run(tmp_path, "resumed", 2, [*tiny, *MEGATRON_FSDP, "--load", str(load)]))
+    resumed = _losses(_run(tmp_path, "resumed", 2 * tp, [*flags, "--load", str(load)]))
     assert sorted(whole) == [1, 2, 3, 4, 5, 6] and sorted(resumed) == [3, 4, 5, 6]
     assert [resumed[i] for i in (3, 5, 6)] == [whole[i] for i in (3, 5, 6)]
