@@ -24,13 +24,14 @@ bias on any linear layer, untied embeddings, sigmoid expert scores with DeepSeek
 (``e_score_correction_bias``: megatron's expert bias), the top 8 renormalised (``norm_topk_prob``) and scaled.
 DeepSeek-V3 pairs it with a sequence-wise balance loss of factor 1e-4 (the paper's alpha; Megatron-LM's recipe:
 ``--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4``): the coefficient is the model's
-here, the loss type a training argument. Kimi-K2 publishes none (0 here: its expert bias alone balances). DeepSeek-V3 has 671B parameters (37B activated) without its MTP
-layer; Kimi-K2 1.03T (32B activated). megatron's MTP layer shares the model's embedding and output layer,
+here, the loss type a training argument. Kimi-K2 publishes none (0 here: its expert bias alone balances).
+DeepSeek-V3 has 671B parameters (37B activated) without its MTP layer; Kimi-K2 1.03T (32B activated). megatron's MTP layer shares the model's embedding and output layer,
 which Hugging Face's checkpoint stores again beside it (its 685B).
 
 ``deepseek-v3-tiny`` has every feature at toy size and trains on a CPU in minutes: 4 layers, the first dense,
-MLA with a query LoRA, YaRN, 8 experts in 4 groups of which each token keeps 2, top 2, a shared expert, 1 MTP
-layer, the sample corpus's 512-piece vocabulary.
+MLA with a query LoRA, YaRN, 8 experts in 4 groups of which each token keeps 2, top 4 (megatron rates each group
+by its best top-k / kept-groups = 2 experts, as DeepSeek-V3's router does, so it converts to transformers), a
+shared expert, 1 MTP layer, the sample corpus's 512-piece vocabulary.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ DEEPSEEK_FLAVORS = {
         vocab_size=512, max_position_embeddings=256, seq_length=64, norm_epsilon=1e-6, qk_layernorm=True,
         multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8,
         v_head_dim=16, rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=64,
-        num_experts=8, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_router_topk=2,
+        num_experts=8, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_router_topk=4,
         moe_layer_freq=(0, 1, 1, 1), moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_aux_loss_coeff=1e-4,
         mtp_num_layers=1),

@@ -268,13 +268,13 @@ def test_what_megatron_cannot_express_is_refused_by_name(config, message):
 
 
 def test_a_megatron_model_deepseek_cannot_hold_is_refused_by_name():
-    """deepseek-v3-tiny keeps 2 of 4 expert groups for its top 2, each group rated by its best expert:
-    transformers rates a group by its best two, so no DeepseekV3ForCausalLM computes that router."""
+    """Keeping 2 of 4 expert groups for a top 2 rates each group by its best expert in megatron: transformers
+    rates a group by its best two, so no DeepseekV3ForCausalLM computes that router."""
     with pytest.raises(hf_format.UnsupportedCheckpoint, match="group-limited routing with topk != 2 x group_topk"):
-        hf_format.config_to_hf(models.get("deepseek-v3-tiny"))
+        hf_format.config_to_hf(models.get("deepseek-v3-tiny").replace(moe_router_topk=2))
     with pytest.raises(hf_format.UnsupportedCheckpoint, match="mtp_num_layers=1 without multi-latent attention"):
         hf_format.config_to_hf(models.get("qwen3-tiny").replace(mtp_num_layers=1))
-    tiny = models.get("deepseek-v3-tiny").replace(moe_router_group_topk=1)
+    tiny = models.get("deepseek-v3-tiny")  # top 4 over 2 of 4 groups: each group rated by its best two
     assert hf_format.config_from_hf(hf_format.config_to_hf(tiny)).replace(seq_length=tiny.seq_length) == tiny
 
 
@@ -311,7 +311,7 @@ def test_a_checkpoint_megatron_saved_at_ep2_tp2_converts_to_transformers_and_bac
     megatron's logits in transformers, reads back as the same model and converts back bit-exactly."""
     from tests.conversion_ranks import save_like_training
 
-    model = models.get("deepseek-v3-tiny").replace(moe_router_group_topk=1)
+    model = models.get("deepseek-v3-tiny")
     trained = tmp_path / "trained"
     before = _same_on_every_rank(run_ranks(4, save_like_training, model, str(trained), 2, 1, 100, 2,
                                            dict(moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")))
