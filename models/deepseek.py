@@ -25,8 +25,9 @@ bias on any linear layer, untied embeddings, sigmoid expert scores with DeepSeek
 DeepSeek-V3 pairs it with a sequence-wise balance loss of factor 1e-4 (the paper's alpha; Megatron-LM's recipe:
 ``--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4``): the coefficient is the model's
 here, the loss type a training argument. Kimi-K2 publishes none (0 here: its expert bias alone balances).
-DeepSeek-V3 has 671B parameters (37B activated) without its MTP layer; Kimi-K2 1.03T (32B activated). megatron's MTP layer shares the model's embedding and output layer,
-which Hugging Face's checkpoint stores again beside it (its 685B).
+DeepSeek-V3 has 671B parameters (37B activated) without its MTP layer; Kimi-K2 1.03T (32B activated).
+megatron's MTP layer shares the model's embedding and output layer, which Hugging Face's checkpoint stores
+again beside it (its 685B).
 
 ``deepseek-v3-tiny`` has every feature at toy size and trains on a CPU in minutes: 4 layers, the first dense,
 MLA with a query LoRA, YaRN, 8 experts in 4 groups of which each token keeps 2, top 4 (megatron rates each group
