@@ -245,6 +245,8 @@ def kernel_rows(provider: ModuleType) -> dict[str, dict]:
     builders["norm_module"] = functools.partial(_norm_module_row, provider)
     builders["grouped_gemm"] = functools.partial(_grouped_gemm_row, provider)
     builders["moe_permute"] = functools.partial(_moe_permute_row, provider)
+    builders["mla_attention"] = functools.partial(_mla_attention_row, provider)
+    builders["mla_rope"] = _mla_rope_row
     rows = {}
     for op, build in builders.items():
         try:
@@ -307,6 +309,37 @@ def _grouped_gemm_row(provider: ModuleType) -> dict:
                 f"({_name(provider.grouped_mm)})")
     return {"implementation": f"{_name(fc1)}, {_name(fc2)}",
             "why": f"{why}, in megatron's TEGroupedMLP; reached through moe_grouped_gemm=True in {SPEC_ROUTE}"}
+
+
+# how each provider's core attention takes multi-latent attention's query/key heads (qk_head_dim +
+# qk_pos_emb_head_dim) and narrower value heads (v_head_dim)
+MLA_ATTENTION = {
+    "torch": "torch's scaled_dot_product_attention, value heads of their own size",
+    "npu": "npu_fusion_attention with Dq == Dk >= Dv as the op takes them (q and k zero-padded where V is wider)",
+    "cuda": "torch's scaled_dot_product_attention (flash-attn 2 takes one head size: not for MLA)",
+}
+
+
+def _mla_attention_row(provider: ModuleType) -> dict:
+    if provider.installed_core_attention() is not None:
+        return {"implementation": "megatron's TEDotProductAttention",
+                "why": "Transformer Engine is installed; reached through multi_latent_attention=True"}
+    how = MLA_ATTENTION.get(provider.NAME, f"the {provider.NAME} provider's attention")
+    return {"implementation": _name(kernels.core_attention_module(provider)),
+            "why": f"{how}, given k_channels and v_channels; reached through multi_latent_attention=True in "
+                   f"{SPEC_ROUTE}"}
+
+
+def _mla_rope_row() -> dict:
+    """MLA's fused YaRN RoPE goes by backend, not provider: megatron's Triton kernels on CUDA, their
+    computation in torch elsewhere (patches/kernels.py)."""
+    route = "reached through apply_rope_fusion=True with multi_latent_attention=True (MLA's YaRN RoPE)"
+    backend_name = _backend.current().name
+    if backend_name == "cuda":
+        return {"implementation": "megatron's own: fused_mla_yarn_rope_apply (Triton)",
+                "why": f"the cuda backend runs megatron's kernels; {route}"}
+    return {"implementation": "adapter.kernels.mla_rope.fused_apply_mla_rope_for_q / _for_kv",
+            "why": f"megatron's Triton kernels' computation in torch, bound on the {backend_name} backend; {route}"}
 
 
 def _moe_permute_row(provider: ModuleType) -> dict:

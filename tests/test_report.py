@@ -29,7 +29,8 @@ INSTALLED_CORE = importlib.metadata.version("megatron-core")
 WHEEL_SHIPS_TRAINING = "megatron/training/__init__.py" in {
     f.as_posix() for f in importlib.metadata.files("megatron-core")}
 OPS = {"rms_norm", "layer_norm", "swiglu", "rope", "rope_thd", "softmax", "cross_entropy", "core_attention",
-       "norm_module", "grouped_gemm", "moe_permute", "gated_delta_rule", "causal_conv1d", "l2norm"}
+       "norm_module", "grouped_gemm", "moe_permute", "gated_delta_rule", "causal_conv1d", "l2norm",
+       "mla_attention", "mla_rope"}
 
 
 def _run_cli(*args: str, backend: str = "cpu", pythonpath: str | None = None) -> subprocess.CompletedProcess:
@@ -198,6 +199,15 @@ def test_every_op_names_its_implementation_for_each_provider(provider):
     assert swiglu.startswith("megatron's own") == (provider.bias_swiglu is None)
     assert rows["core_attention"]["implementation"].endswith(kernels.core_attention_module(provider).__qualname__)
     assert rows["norm_module"]["implementation"].endswith(kernels.norm_module(provider).__qualname__)
+    assert rows["mla_attention"]["implementation"] == rows["core_attention"]["implementation"]
+
+
+def test_the_mla_rope_row_names_what_megatrons_fused_entry_points_are_bound_to():
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as fused
+
+    bound = fused.fused_apply_mla_rope_for_q
+    assert report.kernel_rows(kernels.current())["mla_rope"]["implementation"].startswith(
+        f"{bound.__module__}.{bound.__qualname__}")
 
 
 def test_cann_version_read_from_the_toolkit_install_info(tmp_path, monkeypatch):
