@@ -1,12 +1,13 @@
 """Rank functions of the sharding tests: megatron-core's tiny GPT (scripts/train_tiny_gpt.py's model, data and
-train step) wrapped in megatron's FullyShardedDataParallel (Megatron-FSDP, ``optim_grads_params``) or in DDP
-with the distributed optimizer, the reference; each rank reports its losses and the bytes it holds."""
+train step) wrapped in megatron's FullyShardedDataParallel (Megatron-FSDP, ``optim_grads_params``), in its
+TorchFullyShardedDataParallel (torch FSDP2), or in DDP with the distributed optimizer, the reference; each rank
+reports its losses and the bytes it holds."""
 
 from __future__ import annotations
 
 import adapter
 import torch
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
@@ -14,6 +15,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 import models
+from adapter import sharding
 from models.provider import build_model, transformer_config
 from scripts.train_tiny_gpt import Run, finish, train_step
 
@@ -38,10 +40,15 @@ def _held_bytes(chunk, optimizer) -> dict:
     else:
         params = sum(_local_bytes(p) for p in chunk.module.parameters())
         grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in chunk.buffers)
+    return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": _optimizer_bytes(optimizer)}
+
+
+def _optimizer_bytes(optimizer) -> int:
+    """This rank's part of the optimizer's state tensors (local shards where they are DTensors)."""
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     states = [t for opt in inner for state in opt.optimizer.state.values() for t in state.values()
               if torch.is_tensor(t) and t.dim() > 0]
-    return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": sum(_local_bytes(t) for t in states)}
+    return sum(_local_bytes(t) for t in states)
 
 
 def train(run: Run, sharded: bool) -> dict:
@@ -69,3 +76,70 @@ def train(run: Run, sharded: bool) -> dict:
     result = {"losses": losses, **_held_bytes(chunk, optimizer)}
     finish()
     return result
+
+
+def _fsdp2_bytes(chunk, optimizer) -> dict:
+    """Bytes this rank keeps between steps under torch FSDP2: each parameter's and gradient's local shard
+    (DTensors, resharded after backward) and the optimizer's state (DTensors like the parameters)."""
+    params = list(chunk.module.parameters())
+    return {"param_bytes": sum(_local_bytes(p) for p in params),
+            "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer_bytes": _optimizer_bytes(optimizer)}
+
+
+def _build_fsdp2(run: Run, seed: int):
+    """The tiny GPT wrapped in megatron's TorchFullyShardedDataParallel (torch's fully_shard over the DP
+    group) with megatron's plain optimizer, as Megatron-LM runs ``--use-torch-fsdp2`` (it refuses the
+    distributed optimizer with it), on the groups that exist."""
+    from megatron.core.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    flavor = models.get(run.flavor)
+    # the spec build_model uses; megatron's wrapper then shards whole layers, not their ColumnParallelLinears
+    config = transformer_config(flavor, transformer_impl="local")
+    chunk = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(),
+                                          build_model(flavor, config))
+    config.no_sync_func = chunk.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=run.lr, weight_decay=0.01, clip_grad=1.0), [chunk])
+    config.grad_scale_func = optimizer.scale_loss
+    return flavor, chunk, optimizer
+
+
+def train_fsdp2(run: Run) -> dict:
+    """``run.steps`` iterations at TP ``run.tp`` under torch FSDP2 through megatron."""
+    adapter.init_distributed()
+    parallel_state.initialize_model_parallel(run.tp, 1)
+    flavor, chunk, optimizer = _build_fsdp2(run, run.seed)
+    losses = [train_step(run, flavor, [chunk], optimizer, step)[0] for step in range(run.steps)]
+    result = {"losses": losses, **_fsdp2_bytes(chunk, optimizer)}
+    finish()
+    return result
+
+
+def _fsdp2_state(chunk, optimizer, is_loading: bool = False) -> dict:
+    model = chunk.sharded_state_dict()
+    return {"model": model, "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading)}
+
+
+def fsdp2_resume(run: Run, directory: str, at: int) -> dict:
+    """Megatron-LM's torch_dist path for FSDP2 through megatron-core: train ``run.steps`` iterations saving
+    model and optimizer after ``at``; a model and optimizer of another seed then load that checkpoint in
+    place (as Megatron-LM's ``load_checkpoint`` does with FSDP2), get the saved step back, and train on.
+    Returns the losses after ``at`` of both."""
+    adapter.init_distributed()
+    parallel_state.initialize_model_parallel(run.tp, 1)
+    flavor, chunk, optimizer = _build_fsdp2(run, run.seed)
+    losses = []
+    for step in range(run.steps):
+        losses.append(train_step(run, flavor, [chunk], optimizer, step)[0])
+        if step + 1 == at:
+            dist_checkpointing.save(_fsdp2_state(chunk, optimizer), directory)
+    _, fresh, fresh_optimizer = _build_fsdp2(run, run.seed + 1)
+    dist_checkpointing.load(_fsdp2_state(fresh, fresh_optimizer, is_loading=True), directory)
+    sharding.restore_saved_step(directory, fresh_optimizer)
+    resumed = [train_step(run, flavor, [fresh], fresh_optimizer, step)[0] for step in range(at, run.steps)]
+    finish()
+    return {"uninterrupted": losses[at:], "resumed": resumed}

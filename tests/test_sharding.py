@@ -14,8 +14,9 @@ from adapter import sharding
 from adapter.cuda_only_features import RefusedSetting
 
 from scripts.train_tiny_gpt import Run
+from tests.conftest import DOUBLES
 from tests.distributed import run_ranks
-from tests.sharding_ranks import train
+from tests.sharding_ranks import fsdp2_resume, train, train_fsdp2
 
 
 def test_a_megatron_fsdp_run_that_saves_is_refused_in_one_line_and_one_that_does_not_passes():
@@ -49,3 +50,33 @@ def test_megatron_fsdp_trains_the_distributed_optimizer_curve_on_half_the_bytes(
         assert fsdp["param_bytes"] <= ref["param_bytes"] / 2 + 4096  # DP2 shards, padded to its alignment
         assert fsdp["grad_bytes"] <= ref["grad_bytes"] / 2 + 4096
         assert fsdp["optimizer_bytes"] <= ref["optimizer_bytes"] + 4096
+
+
+# torch FSDP2 through megatron (--use-torch-fsdp2): megatron's TorchFullyShardedDataParallel, its device mesh on
+# this backend's device type; on the cpu backend, and with the npu kernel provider over tests/doubles' torch_npu
+NPU_DOUBLE = {"ADAPTER_BACKEND": "cpu", "ADAPTER_KERNELS": "npu", "PYTHONPATH": str(DOUBLES)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, env", [(1, None), (2, None), (1, NPU_DOUBLE)], ids=["dp2", "tp2-dp2", "dp2-npu"])
+def test_torch_fsdp2_trains_the_distributed_optimizer_curve_on_half_the_bytes(tp, env):
+    run = Run(tp=tp, steps=10)
+    reference = run_ranks(2 * tp, train, run, False, env=env)
+    sharded = run_ranks(2 * tp, train_fsdp2, run, env=env)
+    for ref, fsdp2 in zip(reference, sharded):
+        assert len(fsdp2["losses"]) == 10
+        assert max(abs(a - b) for a, b in zip(ref["losses"], fsdp2["losses"])) <= 1e-5
+        # DDP holds whole parameters and gradients; FSDP2 one DP shard of each, between steps
+        assert fsdp2["param_bytes"] <= ref["param_bytes"] / 2 + 4096
+        assert fsdp2["grad_bytes"] <= ref["grad_bytes"] / 2 + 4096
+        # Adam's moments of this rank's shard: what the distributed optimizer holds, within its padding
+        assert abs(fsdp2["optimizer_bytes"] - ref["optimizer_bytes"]) <= 4096
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_torch_fsdp2_saves_torch_dist_and_resumes_exactly(tmp_path):
+    for rank in run_ranks(2, fsdp2_resume, Run(steps=6), str(tmp_path), 3):
+        assert len(rank["resumed"]) == 3
+        assert rank["resumed"] == rank["uninterrupted"]
