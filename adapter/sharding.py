@@ -131,6 +131,7 @@ def restore_saved_step(directory, optimizer) -> None:
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     states = [saved] if len(inner) == 1 else [saved.get(i, {}) for i in range(len(inner))]
     for part, state in zip(inner, states):
+        state = state.get("optimizer", state)  # the mixed-precision optimizers nest torch's state dict
         step = state.get("state", {}).get("common_step")
         torch_state = getattr(getattr(part, "optimizer", None), "state", {})
         if step is not None and any("step" not in s for s in torch_state.values()):

@@ -76,3 +76,12 @@ def test_fsdp2_resumes_exactly_from_its_torch_dist_checkpoint(dp2):
 def test_fsdp2_trains_the_distributed_optimizer_curve_at_tp2_dp2(tmp_path):
     tp2 = ["--tensor-model-parallel-size", "2"]
     assert _within(_run(tmp_path, "fsdp2", 4, FSDP2 + tp2), _run(tmp_path, "reference", 4, REFERENCE + tp2))
+
+
+def test_fsdp2_in_bf16_resumes_exactly_from_its_torch_dist_checkpoint(tmp_path):
+    """bf16: megatron's mixed-precision optimizer, whose fp32 main parameters and step are saved as well."""
+    bf16 = FSDP2 + ["--bf16"]
+    full = _run(tmp_path, "fsdp2", 2, bf16 + ["--save", "saved", "--save-interval", "5"])
+    resumed = _run(tmp_path, "resumed", 2, bf16 + ["--load", str(_checkpoint_at(tmp_path / "saved", 5,
+                                                                                 tmp_path / "at5"))])
+    assert {i: resumed[i] for i in (6, 8, 9, 10)} == {i: full[i] for i in (6, 8, 9, 10)}
