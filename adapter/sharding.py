@@ -6,6 +6,11 @@ local shard (``DTensor.from_local`` moves the shard there), so off CUDA it must 
 type. The CUDA routing maps device strings of torch's factories, not a class's arguments; the mesh class
 megatron's modules see is this stand-in, which builds torch's own mesh on this backend's device type.
 Everything else of Megatron-FSDP (its buffers, streams and events) is answered by the CUDA routing.
+
+torch FSDP2's torch_dist checkpoint needs two fixes that are not about the device (so they apply on every
+backend): megatron matches optimizer state to the model's sharded tensors by the id of each parameter's
+local shard, which torch 2.13 no longer hands out (``local_shard_ids``), and Megatron-LM's in-place load for
+FSDP2 leaves torch Adam's step behind (``fsdp2_resumes_adam_step``).
 """
 
 from __future__ import annotations
@@ -113,8 +118,6 @@ def fsdp2_resumes_adam_step(load_checkpoint):
 
 
 def _restore_saved_step(checkpointing_module: str, load_arg: str, iteration: int, optimizer) -> None:
-    import importlib
-
     from megatron.training import get_args
 
     checkpointing = importlib.import_module(checkpointing_module)

@@ -25,7 +25,8 @@ def register(registry, versions: str) -> None:
 
 
 def _register_torch_fsdp2(registry, versions: str) -> None:
-    """torch FSDP2 through megatron (``--use-torch-fsdp2``): the wrapper's mesh on this backend's device."""
+    """torch FSDP2 through megatron (``--use-torch-fsdp2``): the wrapper's mesh on this backend's device; its
+    torch_dist save and resume (on every backend: torch 2.13 and Megatron-LM's in-place load, not the device)."""
     registry.replace(f"{TORCH_FSDP2}:DeviceMesh", sharding.RoutedDeviceMesh, versions=versions, backends=OFF_CUDA,
                      rebind_copies=False,
                      reason="torch FSDP2's mesh is built on 'cuda'; fully_shard puts shards on the mesh's device")
