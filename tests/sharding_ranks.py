@@ -87,23 +87,25 @@ def _fsdp2_bytes(chunk, optimizer) -> dict:
             "optimizer_bytes": _optimizer_bytes(optimizer)}
 
 
-def _build_fsdp2(run: Run, seed: int):
+def _build_fsdp2(run: Run, seed: int, bf16: bool = False):
     """The tiny GPT wrapped in megatron's TorchFullyShardedDataParallel (torch's fully_shard over the DP
-    group) with megatron's plain optimizer, as Megatron-LM runs ``--use-torch-fsdp2`` (it refuses the
-    distributed optimizer with it), on the groups that exist."""
+    group) with megatron's optimizer without the distributed one, as Megatron-LM runs ``--use-torch-fsdp2``
+    (it refuses the distributed optimizer with it), on the groups that exist; in ``bf16`` as ``--bf16``:
+    Float16Module inside, megatron's mixed-precision optimizer with fp32 main parameters."""
     from megatron.core.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     flavor = models.get(run.flavor)
     # the spec build_model uses; megatron's wrapper then shards whole layers, not their ColumnParallelLinears
-    config = transformer_config(flavor, transformer_impl="local")
-    chunk = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(),
-                                          build_model(flavor, config))
+    config = transformer_config(flavor, transformer_impl="local", bf16=bf16)
+    model = Float16Module(config, build_model(flavor, config)) if bf16 else build_model(flavor, config)
+    chunk = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), model)
     config.no_sync_func = chunk.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=run.lr, weight_decay=0.01, clip_grad=1.0), [chunk])
+        OptimizerConfig(optimizer="adam", lr=run.lr, weight_decay=0.01, clip_grad=1.0, bf16=bf16), [chunk])
     config.grad_scale_func = optimizer.scale_loss
     return flavor, chunk, optimizer
 
@@ -124,20 +126,20 @@ def _fsdp2_state(chunk, optimizer, is_loading: bool = False) -> dict:
     return {"model": model, "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading)}
 
 
-def fsdp2_resume(run: Run, directory: str, at: int) -> dict:
+def fsdp2_resume(run: Run, directory: str, at: int, bf16: bool = False) -> dict:
     """Megatron-LM's torch_dist path for FSDP2 through megatron-core: train ``run.steps`` iterations saving
     model and optimizer after ``at``; a model and optimizer of another seed then load that checkpoint in
     place (as Megatron-LM's ``load_checkpoint`` does with FSDP2), get the saved step back, and train on.
     Returns the losses after ``at`` of both."""
     adapter.init_distributed()
     parallel_state.initialize_model_parallel(run.tp, 1)
-    flavor, chunk, optimizer = _build_fsdp2(run, run.seed)
+    flavor, chunk, optimizer = _build_fsdp2(run, run.seed, bf16)
     losses = []
     for step in range(run.steps):
         losses.append(train_step(run, flavor, [chunk], optimizer, step)[0])
         if step + 1 == at:
             dist_checkpointing.save(_fsdp2_state(chunk, optimizer), directory)
-    _, fresh, fresh_optimizer = _build_fsdp2(run, run.seed + 1)
+    _, fresh, fresh_optimizer = _build_fsdp2(run, run.seed + 1, bf16)
     dist_checkpointing.load(_fsdp2_state(fresh, fresh_optimizer, is_loading=True), directory)
     sharding.restore_saved_step(directory, fresh_optimizer)
     resumed = [train_step(run, flavor, [fresh], fresh_optimizer, step)[0] for step in range(at, run.steps)]

@@ -76,7 +76,8 @@ def test_torch_fsdp2_trains_the_distributed_optimizer_curve_on_half_the_bytes(tp
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_torch_fsdp2_saves_torch_dist_and_resumes_exactly(tmp_path):
-    for rank in run_ranks(2, fsdp2_resume, Run(steps=6), str(tmp_path), 3):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_torch_fsdp2_saves_torch_dist_and_resumes_exactly(tmp_path, bf16):
+    for rank in run_ranks(2, fsdp2_resume, Run(steps=6), str(tmp_path), 3, bf16):
         assert len(rank["resumed"]) == 3
         assert rank["resumed"] == rank["uninterrupted"]
