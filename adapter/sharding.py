@@ -139,3 +139,21 @@ def restore_saved_step(directory, optimizer) -> None:
         torch_state = getattr(getattr(part, "optimizer", None), "state", {})
         if step is not None and any("step" not in s for s in torch_state.values()):
             part._restore_common_per_param_step({"state": torch_state}, step)
+
+
+def torch_fsdp2_requirements_in_one_line(validate_args):
+    """Megatron-LM's ``validate_args`` asserts what torch FSDP2 needs (untied embedding and output weights,
+    torch_dist or torch_dcp checkpoints, no distributed optimizer, no pipeline or expert parallelism, no
+    fp16): a traceback on every rank. With ``--use-torch-fsdp2`` its FSDP assertions are said once for the
+    job instead, in Megatron-LM's own words (``adapter.run`` prints a RefusedSetting from rank 0)."""
+
+    @functools.wraps(validate_args)
+    def validate(args, *rest, **kwargs):
+        try:
+            return validate_args(args, *rest, **kwargs)
+        except AssertionError as exc:
+            if getattr(args, "use_torch_fsdp2", False) and "fsdp" in str(exc).lower():
+                raise RefusedSetting(f"{exc} (Megatron-LM's check)") from None
+            raise
+
+    return validate

@@ -81,3 +81,23 @@ def test_torch_fsdp2_saves_torch_dist_and_resumes_exactly(tmp_path, bf16):
     for rank in run_ranks(2, fsdp2_resume, Run(steps=6), str(tmp_path), 3, bf16):
         assert len(rank["resumed"]) == 3
         assert rank["resumed"] == rank["uninterrupted"]
+
+
+def test_megatron_lm_s_fsdp2_assertions_are_one_line_for_the_job_and_others_pass_through():
+    def megatron_lm_validate(args):  # its assertions raised as plain Python raises them (pytest rewrites asserts)
+        if not args.untie_embeddings_and_output_weights:
+            raise AssertionError("--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
+        if args.seq_length <= 0:
+            raise AssertionError("seq_length must be positive")
+        return "validated"
+
+    validate = sharding.torch_fsdp2_requirements_in_one_line(megatron_lm_validate)
+    with pytest.raises(RefusedSetting, match=r"^--use-torch-fsdp2 requires --untie-embeddings-and-output-weights "
+                                             r"\(Megatron-LM's check\)$"):
+        validate(argparse.Namespace(use_torch_fsdp2=True, untie_embeddings_and_output_weights=False, seq_length=64))
+    with pytest.raises(AssertionError, match="seq_length"):
+        validate(argparse.Namespace(use_torch_fsdp2=True, untie_embeddings_and_output_weights=True, seq_length=0))
+    with pytest.raises(AssertionError, match="untie"):  # without FSDP2 the assertion is Megatron-LM's own
+        validate(argparse.Namespace(use_torch_fsdp2=False, untie_embeddings_and_output_weights=False, seq_length=64))
+    assert validate(argparse.Namespace(use_torch_fsdp2=True, untie_embeddings_and_output_weights=True,
+                                       seq_length=64)) == "validated"
