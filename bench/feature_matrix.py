@@ -11,9 +11,11 @@ flags, Megatron-LM's spelling in both flows, and ends as one of:
 - ``fails``: anything else (a worker's traceback, no loss, a time-out); the matrix's goal is to have none.
 
 Usage: python bench/feature_matrix.py [--megatron-lm PATH] [--flows megatron-lm,flow] [--backends cpu,npu]
-       [--only NAME ...] [--out docs/FEATURES.md] [--jobs 1]
+       [--only NAME ...] [--out docs/FEATURES.md] [--jobs 1] [--update]
 PATH defaults to the Megatron-LM checkout on PYTHONPATH (its tag must be the installed megatron-core's).
-Without a checkout the Megatron-LM column is left out, and said so.
+Without a checkout the Megatron-LM column is left out, and said so. Every cell's outcome is also kept in
+docs/FEATURES.json; ``--update`` reruns only the cells asked for and keeps the others from there (a whole
+matrix is 144 torchruns: a change to one feature reruns its row).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import json
 import math
 import os
 import re
@@ -106,6 +109,8 @@ FEATURES = (
     _f("DeepSeek-V3 router", [*MOE, *DSV3_ROUTER]),
     _f("multi-token prediction", ["--mtp-num-layers", "1"]),
     _f("multi-latent attention", MLA),
+    _f("multi-latent attention, CP2 a2a", [*MLA, "--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+    _f("multi-latent attention, CP2 p2p", [*MLA, "--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
     _f("DeepSeek-V3 (MLA, MTP, its router) PP2 EP2",
        [*MLA, *MOE, *DSV3_ROUTER, "--mtp-num-layers", "1", "--moe-layer-freq", "([0]*1+[1]*3)",
         "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], nproc=4),
@@ -251,6 +256,27 @@ def markdown(results: dict, flows: list[str], backends: list[str], note: str) ->
     ])
 
 
+def load_results(path: Path) -> dict:
+    """The cells recorded in ``path`` (docs/FEATURES.json), keyed (feature, flow, backend); none if absent."""
+    if not path.exists():
+        return {}
+    return {tuple(cell["key"]): Outcome(cell["verdict"], cell["detail"], cell["seconds"])
+            for cell in json.loads(path.read_text())["cells"]}
+
+
+def save_results(path: Path, results: dict, note: str) -> None:
+    cells = [{"key": list(key), "verdict": o.verdict, "detail": o.detail, "seconds": round(o.seconds, 1)}
+             for key, o in sorted(results.items())]
+    lines = ",\n  ".join(json.dumps(cell) for cell in cells)  # a cell a line: a rerun row is a small diff
+    path.write_text(f'{{"note": {json.dumps(note)},\n "cells": [\n  {lines}\n ]}}\n')
+
+
+def _columns(results: dict) -> tuple[list[str], list[str]]:
+    """The flows and backends that have a cell, in the matrix's order."""
+    return ([f for f in FLOWS if any(k[1] == f for k in results)],
+            [b for b in BACKENDS if any(k[2] == b for k in results)])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megatron-lm", help="Megatron-LM checkout (default: the one on PYTHONPATH)")
@@ -260,6 +286,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "FEATURES.md"))
     parser.add_argument("--jobs", type=int, default=1, help="cells run at once")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    parser.add_argument("--update", action="store_true", help="keep the other cells recorded in the JSON")
     args = parser.parse_args(argv)
     flows, backends = args.flows.split(","), args.backends.split(",")
     checkout = Path(args.megatron_lm).resolve() if args.megatron_lm else megatron_lm_checkout()
@@ -269,7 +296,10 @@ def main(argv=None) -> int:
         note += " No Megatron-LM checkout was found: its column is left out."
     features = [f for f in FEATURES if not args.only or any(word in f.name for word in args.only)]
     cells = [(f, flow, b) for f in features for flow in flows for b in backends]
-    results = {}
+    recorded = Path(args.out).with_suffix(".json")
+    results = load_results(recorded) if args.update else {}
+    if args.update:
+        note += " Cells not rerun are kept from docs/FEATURES.json, as an earlier run recorded them."
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
         futures = {pool.submit(run_cell, f, flow, b, checkout, args.timeout): (f.name, flow, b)
                    for f, flow, b in cells}
@@ -277,7 +307,8 @@ def main(argv=None) -> int:
             key, outcome = futures[future], future.result()
             results[key] = outcome
             print(f"{' / '.join(key)}: {outcome.verdict} ({outcome.seconds:.0f} s): {outcome.detail}", flush=True)
-            Path(args.out).write_text(markdown(results, flows, backends, note))  # as far as it got
+            Path(args.out).write_text(markdown(results, *_columns(results), note))  # as far as it got
+            save_results(recorded, results, note)
     print(f"wrote {args.out}")
     return 1 if any(o.verdict == "fails" for o in results.values()) else 0
 
@@ -287,9 +318,17 @@ def _environment_note(checkout: Path | None) -> str:
 
     import torch
 
-    where = f"Megatron-LM checkout {checkout.name}" if checkout else "no Megatron-LM checkout"
+    where = (f"Megatron-LM checkout {checkout.name}{_checkout_release(checkout)}" if checkout
+             else "no Megatron-LM checkout")
     return (f"Measured with torch {torch.__version__}, megatron-core {importlib.metadata.version('megatron-core')}, "
             f"{where}, Python {sys.version.split()[0]}, on {os.cpu_count()} CPUs.")
+
+
+def _checkout_release(checkout: Path) -> str:
+    """The release a checkout's megatron/core/package_info.py names (an archive has no git tag to ask)."""
+    numbers = dict(re.findall(r"^(MAJOR|MINOR|PATCH) = (\d+)$", (checkout / "megatron" / "core" / "package_info.py")
+                              .read_text(errors="replace"), re.M)) if (checkout / "megatron").is_dir() else {}
+    return f" (megatron-core {numbers['MAJOR']}.{numbers['MINOR']}.{numbers['PATCH']})" if len(numbers) == 3 else ""
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ Families map flavor names to plain-data ``ModelConfig``s, torchtitan style; a mo
 
 from __future__ import annotations
 
-from . import gpt, qwen, qwen3, qwen35
+from . import deepseek, gpt, qwen, qwen3, qwen35
 from .config import ModelConfig, ModelConfigError
 
 FAMILIES = {"gpt": gpt.FLAVORS, "qwen2.5": qwen.FLAVORS, "qwen3": qwen3.FLAVORS, "qwen3.5": qwen35.FLAVORS,
-            "qwen3-next": qwen35.NEXT_FLAVORS}
+            "qwen3-next": qwen35.NEXT_FLAVORS, "deepseek": deepseek.DEEPSEEK_FLAVORS, "kimi": deepseek.KIMI_FLAVORS}
 
 
 def names() -> list[str]:

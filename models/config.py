@@ -21,7 +21,19 @@ gated by ``sigmoid(x @ w)`` with ``moe_shared_expert_gate``). The router, as meg
   ``moe_router_enable_expert_bias``, DeepSeek-V3's aux-loss-free balancing), renormalised when k > 1;
   ``moe_router_pre_softmax`` changes nothing here;
 - ``moe_router_topk_scaling_factor`` then multiplies the probabilities, whichever path (DeepSeek's
-  ``routed_scaling_factor``).
+  ``routed_scaling_factor``);
+- ``moe_router_num_groups`` / ``moe_router_group_topk``: group-limited routing (DeepSeek-V3's ``n_group`` /
+  ``topk_group``): the experts fall into equal groups, each token keeps the best groups and picks its top k
+  among their experts.
+
+Multi-latent attention (DeepSeek-V2/V3, Kimi-K2) takes megatron's ``MLATransformerConfig`` fields and meanings
+(Megatron-LM's flags of the same names): queries through a low-rank ``q_lora_rank`` bottleneck (None: one
+projection), keys and values through a shared ``kv_lora_rank`` latent, each head's query/key split into
+``qk_head_dim`` dimensions without position and ``qk_pos_emb_head_dim`` with RoPE, values of ``v_head_dim``.
+Its RoPE is megatron's YaRN (``rotary_scaling_factor``, ``mscale``, ``mscale_all_dim``,
+``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``; a factor of 1 is plain RoPE).
+``mtp_num_layers`` multi-token prediction layers (megatron's MTP block; DeepSeek-V3's
+``num_nextn_predict_layers``) follow the decoder and share its embedding and output layer.
 """
 
 from __future__ import annotations
@@ -98,6 +110,25 @@ class ModelConfig:
     zero_centered_norm: bool = False
     # the share of each head's dimensions RoPE turns (HF partial_rotary_factor; megatron's rotary_percent)
     rotary_percent: float = 1.0
+    # group-limited routing (module docstring); None: plain top-k over every expert
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    # multi-latent attention, megatron's MLATransformerConfig fields (module docstring); the defaults are
+    # Megatron-LM's flags' (its rotary_scaling_factor 1, mscale_all_dim 0), the YaRN ones MLATransformerConfig's
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # multi-token prediction layers after the decoder (megatron's mtp_num_layers); None: none
+    mtp_num_layers: int | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -126,6 +157,7 @@ class ModelConfig:
         if isinstance(self.layer_types, list):
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
         self._check_mixers()
+        self._check_latent_attention()
         if self.moe_shared_expert_intermediate_size == 0:
             object.__setattr__(self, "moe_shared_expert_intermediate_size", None)
         if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
@@ -155,6 +187,42 @@ class ModelConfig:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ModelConfigError(f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
                                    f"linear_num_key_heads={self.linear_num_key_heads}")
+
+    def _check_latent_attention(self) -> None:
+        """MLA's sizes are positive and come with ``multi_latent_attention``; MLA has one key/value latent for
+        every head (megatron refuses grouped-query attention with it) and no output gate."""
+        if self.mtp_num_layers is not None:
+            _positive("mtp_num_layers", self.mtp_num_layers)
+        if not self.multi_latent_attention:
+            given = [f"{name}={getattr(self, name)!r}" for name in MLA_FIELDS
+                     if getattr(self, name) != _FIELD_DEFAULTS[name]]
+            if given:
+                raise ModelConfigError(f"{', '.join(given)} without multi_latent_attention: these are multi-latent "
+                                       "attention's sizes; set multi_latent_attention=True or leave them at their "
+                                       "defaults")
+            return
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                     "original_max_position_embeddings"):
+            _positive(name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            _positive("q_lora_rank", self.q_lora_rank)
+        elif self.qk_layernorm:
+            raise ModelConfigError("multi_latent_attention with qk_layernorm and no q_lora_rank: megatron's MLA "
+                                   "(local spec) norms the query's low-rank latent, which there is none of; set "
+                                   "q_lora_rank or qk_layernorm=False")
+        if self.num_query_groups != self.num_attention_heads:
+            raise ModelConfigError(f"multi_latent_attention with num_query_groups={self.num_query_groups} of "
+                                   f"{self.num_attention_heads} heads: MLA has no grouped-query attention (megatron "
+                                   "refuses it); set num_query_groups to the number of heads")
+        given = [f"{name}={getattr(self, name)!r}" for name, fits in (
+            ("attention_output_gate", False), ("layer_types", None), ("position_embedding", "rope"),
+            ("add_qkv_bias", False)) if getattr(self, name) != fits]
+        if given:
+            raise ModelConfigError(f"multi_latent_attention with {', '.join(given)}: megatron's MLA is a GPT stack's "
+                                   "attention with its own RoPE, no output gate and no query/key/value biases")
+        if not self.rotary_scaling_factor >= 1:
+            raise ModelConfigError(f"rotary_scaling_factor={self.rotary_scaling_factor!r}: YaRN's factor is at "
+                                   "least 1 (1: plain RoPE)")
 
     def _check_dense(self) -> None:
         """A dense model carries no expert settings: one set without ``num_experts`` is a mistake, not a
@@ -206,6 +274,23 @@ class ModelConfig:
         if factor is not None and not factor > 0:
             raise ModelConfigError(f"moe_router_topk_scaling_factor={factor!r}: must be positive, or None for "
                                    "no scaling")
+        self._check_group_limited_routing()
+
+    def _check_group_limited_routing(self) -> None:
+        """megatron's group-limited top-k: equal groups of experts, and each token's top k spread evenly over
+        the groups it keeps."""
+        groups, picked = self.moe_router_num_groups, self.moe_router_group_topk
+        if groups is None and picked is None:
+            return
+        if groups is None or picked is None:
+            raise ModelConfigError("moe_router_num_groups and moe_router_group_topk go together: give both")
+        _positive("moe_router_num_groups", groups)
+        _positive("moe_router_group_topk", picked)
+        if self.num_experts % groups:
+            raise ModelConfigError(f"moe_router_num_groups={groups} does not divide the {self.num_experts} experts")
+        if picked > groups or self.moe_router_topk % picked:
+            raise ModelConfigError(f"moe_router_group_topk={picked}: must be at most moe_router_num_groups={groups} "
+                                   f"and divide moe_router_topk={self.moe_router_topk}")
 
     @property
     def head_dim(self) -> int:
@@ -262,7 +347,22 @@ class ModelConfig:
         layers = sum(self.layer_parameters(moe, mixer) for moe, mixer in zip(self.moe_layer_pattern(), self.mixers()))
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         positions = self.max_position_embeddings * h if self.position_embedding == "learned_absolute" else 0
-        return layers + norm + embeddings + positions
+        return layers + norm + embeddings + positions + (self.mtp_num_layers or 0) * self.mtp_layer_parameters()
+
+    def mtp_layer_parameters(self) -> int:
+        """One multi-token prediction layer as megatron builds it: the norms of the embedding and of the
+        hidden state, their projection from 2h to h, a decoder layer like the last one, and its final norm;
+        the embedding and the output layer are the model's own."""
+        h = self.hidden_size
+        norm = 2 * h if self.normalization == "LayerNorm" else h
+        return 3 * norm + 2 * h * h + self.layer_parameters(bool(self.moe_layer_pattern()[-1]))
+
+    def num_active_parameters(self) -> int:
+        """The parameters one token passes through (DeepSeek's "activated"): every expert's but those of the
+        routed experts it is not sent to."""
+        idle = (self.num_experts or 0) - self.moe_router_topk
+        moe_layers = sum(self.moe_layer_pattern()) + (self.mtp_num_layers or 0) * self.moe_layer_pattern()[-1]
+        return self.num_parameters() - moe_layers * idle * self.mlp_parameters(self.expert_ffn_hidden_size)
 
     @property
     def megatron_num_layers(self) -> int:
@@ -281,7 +381,8 @@ class ModelConfig:
     def layer_parameters(self, moe: bool, mixer: str = FULL_ATTENTION) -> int:
         """One layer's parameters: its two norms, its token mixer and a dense MLP or a MoE block."""
         norm = 2 * self.hidden_size if self.normalization == "LayerNorm" else self.hidden_size
-        mixing = self.attention_parameters() if mixer == FULL_ATTENTION else self.gated_delta_net_parameters()
+        mixing = (self.gated_delta_net_parameters() if mixer != FULL_ATTENTION else
+                  self.latent_attention_parameters() if self.multi_latent_attention else self.attention_parameters())
         return 2 * norm + mixing + (self.moe_parameters() if moe else self.mlp_parameters(self.ffn_hidden_size))
 
     @property
@@ -298,6 +399,22 @@ class ModelConfig:
         qk_norms = 2 * (2 * d if self.normalization == "LayerNorm" else d) if self.qk_layernorm else 0
         return (qkv_rows * h + self.num_attention_heads * d * h + (qkv_rows if self.add_qkv_bias else 0)
                 + (h if self.add_bias_linear else 0) + qk_norms)
+
+    def latent_attention_parameters(self) -> int:
+        """Multi-latent attention: the query projection (down to q_lora_rank, its norm, and up; or one
+        projection), the key/value down projection to the latent and the RoPE key, the latent's norm, its up
+        projection to each head's key and value, and the output projection (the one with a bias, if any). The two
+        norms are the QK norms (megatron's qk_layernorm)."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        q_head = self.qk_head_dim + self.qk_pos_emb_head_dim
+        norm = (2 if self.normalization == "LayerNorm" else 1) if self.qk_layernorm else 0
+        if self.q_lora_rank is None:
+            query = h * heads * q_head
+        else:
+            query = h * self.q_lora_rank + norm * self.q_lora_rank + self.q_lora_rank * heads * q_head
+        kv = (h * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + norm * self.kv_lora_rank
+              + self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim))
+        return query + kv + heads * self.v_head_dim * h + (h if self.add_bias_linear else 0)
 
     def gated_delta_net_parameters(self) -> int:
         """Gated DeltaNet: the input projection to q, k, v, the output gate z and each value head's beta and
@@ -324,6 +441,9 @@ class ModelConfig:
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+              "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
+              "beta_slow")
 
 
 def moe_layer_freq_of(hf: dict) -> int | tuple[int, ...]:

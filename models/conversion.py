@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint_dir, hf_hybrid, torch_dist_io
+from . import checkpoint_dir, fp8_blocks, hf_hybrid, torch_dist_io
 from . import hf as hf_format
 from .config import ModelConfig, ModelConfigError
 from .safetensors_io import SafetensorsError, SafetensorsFile, SafetensorsStreamWriter
-from .weight_mappings import LAYER_PREFIX, Mapping, per_expert
+from .weight_mappings import LAYER_PREFIX, Copies, Mapping, per_expert
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -54,7 +54,7 @@ class HFWeights:
     language-model names: a multimodal checkpoint's ``model.language_model.*`` as ``model.*``, and what the
     language model does not use (``hf_hybrid.LEFT_BEHIND``) counted in ``left``, not read."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, fp8_block: int = fp8_blocks.DEFAULT_BLOCK):
         self.directory = directory
         if (directory / INDEX).is_file():
             weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
@@ -82,11 +82,43 @@ class HFWeights:
                 self.file_of[name], self.shape[name], self.dtype[name] = handle, shape, dtype
                 self.stored_name[name] = stored
 
+        self.fp8_block, self.fp8_scale_of = fp8_block, self._pair_fp8_scales(fp8_block)
+
+    def _pair_fp8_scales(self, block: int) -> dict[str, str]:
+        """FP8 weights and their block scales (``fp8_blocks``): each FP8 weight is read as bf16 and its
+        ``weight_scale_inv`` is not a tensor of the model."""
+        scale_of = {}
+        for name in [n for n, dtype in self.dtype.items() if dtype == torch.float8_e4m3fn]:
+            scale, shape = name + fp8_blocks.SCALE_SUFFIX, self.shape[name]
+            if len(shape) != 2 or self.shape.get(scale) != fp8_blocks.scale_shape(shape, block):
+                raise ConversionError(
+                    f"{name} is FP8 {shape} but {scale} is {self.shape.get(scale, 'missing')}: an FP8 weight "
+                    f"needs its {block}x{block} block scales {fp8_blocks.scale_shape(shape, block)} "
+                    "(quantization_config.weight_block_size in config.json)")
+            scale_of[name], self.dtype[name] = scale, torch.bfloat16
+        for scale in scale_of.values():
+            del self.shape[scale], self.dtype[scale]
+        return scale_of
+
+    def _read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return self.file_of[name].read_rows(self.stored_name[name], start, stop)
+
     def get(self, name: str) -> torch.Tensor:
-        return self.file_of[name].read_rows(self.stored_name[name])
+        return self.get_rows(name, 0, self.shape[name][0]) if name in self.fp8_scale_of else self._read(name)
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.file_of[name].read_rows(self.stored_name[name], start, stop)
+        if name not in self.fp8_scale_of:
+            return self._read(name, start, stop)
+        scale = self.fp8_scale_of[name]
+        return fp8_blocks.dequantize_rows(lambda a, b: self._read(name, a, b), lambda a, b: self._read(scale, a, b),
+                                          start, stop, self.fp8_block)
+
+    def dequantized_line(self) -> str | None:
+        """One line on the FP8 weights read as bf16, if any."""
+        if not self.fp8_scale_of:
+            return None
+        return (f"{self.directory}: dequantized {len(self.fp8_scale_of)} FP8 (e4m3) weights with their "
+                f"{self.fp8_block}x{self.fp8_block} block scales (weight_scale_inv) to bf16")
 
     def left_line(self) -> str | None:
         """One line on what the conversion leaves, if anything."""
@@ -138,14 +170,20 @@ class Site:
 
 # a per-layer key of a model whose layers differ (dense and MoE): the layer is in the name, not an axis
 _NUMBERED_LAYER = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)")
+# a multi-token prediction layer's key: counted after the decoder's layers
+_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
 
 
-def _locate(entry) -> tuple[str, int | None, tuple[int, ...]]:
-    """(name relative to the layer, layer, leading indices) of a ShardedTensor of megatron's layout."""
+def _locate(entry, model: ModelConfig) -> tuple[str, int | None, tuple[int, ...]]:
+    """(name relative to the layer, layer, leading indices) of a ShardedTensor of megatron's layout; MTP layer k
+    is layer ``megatron_num_layers + k``."""
     prefix = tuple(entry.global_offset[:entry.prepend_axis_num])
     numbered = _NUMBERED_LAYER.fullmatch(entry.key)
     if numbered:
         return numbered[2], int(numbered[1]), prefix
+    mtp = _MTP_LAYER.fullmatch(entry.key)
+    if mtp:
+        return mtp[2], model.megatron_num_layers + int(mtp[1]), prefix
     if entry.key.startswith(LAYER_PREFIX):
         return entry.key[len(LAYER_PREFIX):], prefix[0], prefix
     return entry.key, None, prefix
@@ -161,7 +199,7 @@ def _plan(model: ModelConfig, architecture: str, layout: list) -> tuple[list[tup
     whole, layers = known.whole(model), known.layers(model)
     sites, plan = {}, []
     for entry in (e for e in layout if isinstance(e, ShardedTensor)):
-        name, layer, prefix = _locate(entry)
+        name, layer, prefix = _locate(entry, model)
         hf_layer, mappings = (None, whole) if layer is None else layers[layer]
         mapping = next((m for m in mappings if m.megatron == name), None)
         if mapping is None:
@@ -228,6 +266,21 @@ def _check_hf_tensors(weights: HFWeights, expected: list[tuple]) -> None:
                               f"{', '.join(extra[:3])}: this is not a plain {len(expected)}-tensor model")
 
 
+def _check_copies(weights: HFWeights, sites: list[Site]) -> None:
+    """Every further copy of a tensor HF stores several times (``Copies``: an MTP layer's embedding and output
+    head) equals the first, compared a block of rows at a time: megatron keeps one."""
+    for site in (s for s in sites if isinstance(s.mapping, Copies)):
+        first, *others = site.hf_names()
+        for start, count in _row_blocks(weights.shape[first], weights.dtype[first]):
+            block = weights.get_rows(first, start, start + count)
+            differs = next((o for o in others if not torch.equal(weights.get_rows(o, start, start + count), block)),
+                           None)
+            if differs:
+                raise ConversionError(f"{differs} differs from {first} in {weights.directory}: megatron's MTP layer "
+                                      "shares the model's embedding and output layer, so it cannot hold a copy "
+                                      "of its own")
+
+
 def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = None,
                 progress: bool = True, ep: int = 1) -> Path:
     """Convert a HF directory of a supported architecture (``hf.ARCHITECTURES``) into a megatron torch_dist
@@ -240,30 +293,39 @@ def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = 
     raw_config, model = read_hf_config(hf_dir)
     architecture = raw_config["architectures"][0]
     _check_layout(model, tp, pp, ep)
-    weights = HFWeights(hf_dir)
+    try:
+        block = fp8_blocks.block_size(raw_config)
+    except ValueError as exc:
+        raise ConversionError(f"{hf_dir / CONFIG}: {exc}") from exc
+    weights = HFWeights(hf_dir, block)
     with torch_dist_io.single_process_groups():
         layout = torch_dist_io.megatron_layout(model)
     plan, sites = _plan(model, architecture, layout)
     expected = _hf_tensors(model, sites)
     _check_hf_tensors(weights, expected)
-    left = weights.left_line()
-    if left:
-        print(left, file=sys.stderr)
-    target = _dtype(dtype) or weights.dtype[expected[0][0]]
     if (save_dir / checkpoint_dir.TRACKER).exists() or (save_dir / checkpoint_dir.RELEASE).exists():
         raise ConversionError(f"{save_dir} already holds a checkpoint: choose an empty --save-dir")
+    _check_copies(weights, sites)
+    for line in (weights.left_line(), weights.dequantized_line()):
+        if line:
+            print(line, file=sys.stderr)
+    cast = _dtype(dtype)
 
-    bar = _progress(progress, sum(_nbytes(e.local_shape, target) for e, _ in plan), "hf -> mcore")
-    rows = _row_reader(weights, model, target, bar)
+    def target(site: Site) -> torch.dtype:  # each tensor keeps its dtype unless --dtype casts them all
+        return cast or weights.dtype[site.hf_names()[0]]
+
+    bar = _progress(progress, sum(_nbytes(e.local_shape, target(site)) for e, site in plan), "hf -> mcore")
+    rows = _row_reader(weights, model, bar)
     chunks = []
     for entry, site in plan:
         axis = entry.prepend_axis_num
-        for start, count in _row_blocks(entry.local_shape, target):
+        for start, count in _row_blocks(entry.local_shape, target(site)):
             offset = list(entry.global_offset)
             offset[axis] += start
             shape = (1,) * axis + (count, *entry.local_shape[1:])
-            chunks.append(torch_dist_io.tensor_chunk(entry.key, entry.global_shape, offset, shape, target,
-                                             rows(site, entry.global_offset[axis] + start, count, shape)))
+            chunks.append(torch_dist_io.tensor_chunk(entry.key, entry.global_shape, offset, shape, target(site),
+                                             rows(site, entry.global_offset[axis] + start, count, shape,
+                                                  target(site))))
     chunks += [torch_dist_io.object_chunk(entry.unique_key, entry.data) for entry in layout
                if isinstance(entry, ShardedObject)]
     common = {"checkpoint_version": checkpoint_dir.CHECKPOINT_VERSION, "iteration": 0,
@@ -278,13 +340,13 @@ def hf_to_mcore(hf_dir, save_dir, tp: int = 1, pp: int = 1, dtype: str | None = 
     return path
 
 
-def _row_reader(weights: HFWeights, model: ModelConfig, target: torch.dtype, bar):
-    """``rows(site, first, count, shape)``: a function producing rows [first, first + count) of ``site``'s
-    megatron tensor, reshaped to ``shape``, when the writer reaches them: read straight from the one HF
-    tensor that holds them where there is one, else built whole once (QKV)."""
+def _row_reader(weights: HFWeights, model: ModelConfig, bar):
+    """``rows(site, first, count, shape, target)``: a function producing rows [first, first + count) of
+    ``site``'s megatron tensor, reshaped to ``shape``, as ``target``, when the writer reaches them: read
+    straight from the one HF tensor that holds them where there is one, else built whole once (QKV)."""
     cache: dict = {}
 
-    def rows(site: Site, first: int, count: int, shape: tuple):
+    def rows(site: Site, first: int, count: int, shape: tuple, target: torch.dtype):
         def produce():
             names = site.hf_names()
             for index, name in enumerate(names):
@@ -330,20 +392,24 @@ def mcore_to_hf(load_dir, save_dir, iteration=None, model: ModelConfig | None = 
     with torch_dist_io.single_process_groups():
         plan, sites = _plan(model, architecture, torch_dist_io.megatron_layout(model))
         stored = _stored_tensors(checkpoint, plan)
-        source_dtype = stored["embedding.word_embeddings.weight"].dtype
-        target = _dtype(dtype) or source_dtype
+        cast = _dtype(dtype)
+        target = cast or stored["embedding.word_embeddings.weight"].dtype  # config.json's dtype
+
+        def dtype_of(site: Site) -> torch.dtype:  # each tensor keeps its dtype unless --dtype casts them all
+            return cast or stored[site.key].dtype
+
         config = raw_config or hf_format.config_to_hf(model, architecture, target)
         if dtype is not None:  # transformers < 5 reads torch_dtype, 5 writes dtype
             name = str(target).removeprefix("torch.")
             config = {**config, "torch_dtype": name, **({"dtype": name} if "dtype" in config else {})}
         hf_tensors = _hf_tensors(model, sites)
-        shards = _shard(hf_tensors, target, max_shard_bytes)
+        shards = _shard(hf_tensors, dtype_of, max_shard_bytes)
         partial = save_dir.with_name(f".{save_dir.name}.partial-{os.getpid()}")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         try:
-            bar = _progress(progress, sum(_nbytes(s, target) for _, s, *_ in hf_tensors), "mcore -> hf")
-            _write_hf(checkpoint, model, hf_tensors, shards, partial, stored, target, bar)
+            bar = _progress(progress, sum(_nbytes(s, dtype_of(site)) for _, s, site, _ in hf_tensors), "mcore -> hf")
+            _write_hf(checkpoint, model, hf_tensors, shards, partial, stored, dtype_of, bar)
             bar.close()
             (partial / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             _copy_assets(Path(tokenizer_dir) if tokenizer_dir else assets, partial, with_config=False)
@@ -379,11 +445,11 @@ def _stored_model(checkpoint: Path) -> ModelConfig:
                               "pass --model NAME") from exc
 
 
-def _shard(hf_tensors: list[tuple], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
+def _shard(hf_tensors: list[tuple], dtype_of, max_bytes: int) -> list[list[str]]:
     """HF tensor names grouped into files of at most ``max_bytes`` (a bigger tensor gets a file alone)."""
     shards, current, size = [], [], 0
-    for name, shape, *_ in hf_tensors:
-        nbytes = _nbytes(shape, dtype)
+    for name, shape, site, _ in hf_tensors:
+        nbytes = _nbytes(shape, dtype_of(site))
         if current and size + nbytes > max_bytes:
             shards.append(current)
             current, size = [], 0
@@ -392,10 +458,11 @@ def _shard(hf_tensors: list[tuple], dtype: torch.dtype, max_bytes: int) -> list[
     return shards + [current]
 
 
-def _write_hf(checkpoint, model, hf_tensors, shards, out: Path, stored, dtype, bar) -> None:
+def _write_hf(checkpoint, model, hf_tensors, shards, out: Path, stored, dtype_of, bar) -> None:
     files = [SINGLE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     shape_of = {name: shape for name, shape, *_ in hf_tensors}
+    dtype_by_name = {name: dtype_of(site) for name, _, site, _ in hf_tensors}
     writers = iter(list(zip(files, shards)))
     reader = torch_dist_io.checkpoint_reader(checkpoint)
     writer, file_of, total, whole = None, {}, 0, {}
@@ -404,10 +471,10 @@ def _write_hf(checkpoint, model, hf_tensors, shards, out: Path, stored, dtype, b
             if writer is not None:
                 writer.close()
             file, names = next(writers)
-            writer = SafetensorsStreamWriter(out / file, [(n, dtype, shape_of[n]) for n in names],
+            writer = SafetensorsStreamWriter(out / file, [(n, dtype_by_name[n], shape_of[n]) for n in names],
                                              metadata={"format": "pt"})
             file_of.update({n: file for n in names})
-        source = stored[site.key].dtype
+        source, dtype = stored[site.key].dtype, dtype_by_name[name]
         lead, rest = site.prefix, site.shape[1:]
         span = site.mapping.row_range(index, site.shape[0])
         if span is not None:  # a row range of the megatron tensor: copied over in blocks

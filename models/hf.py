@@ -4,7 +4,8 @@ keys (Megatron-Bridge style: one-to-one renames, the fused QKV projection, the g
 
 Architectures: Qwen2 (QKV bias), Llama (no biases), Qwen3 (QK-norm, a head size of its own) and Qwen3-MoE
 (Qwen3's attention, routed experts in every layer but ``mlp_only_layers``) here; the hybrid Qwen3.5,
-Qwen3.5-MoE and Qwen3-Next in ``hf_hybrid``. The mapping primitives are ``weight_mappings``'.
+Qwen3.5-MoE and Qwen3-Next in ``hf_hybrid``; DeepSeek-V3 and Kimi-K2 (multi-latent attention, MTP) in
+``hf_deepseek``. The mapping primitives are ``weight_mappings``'.
 
 Megatron keys are the ones megatron's ``sharded_state_dict`` gives, i.e. what a torch_dist checkpoint
 holds: per-layer tensors under ``decoder.layers.<name>`` with a leading layer axis (under
@@ -20,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from . import hf_hybrid
+from . import hf_deepseek, hf_hybrid
 from .config import ModelConfig, ModelConfigError, moe_layer_freq_of
 from .weight_mappings import Architecture, GatedMLP, QKV, Rename, UnsupportedCheckpoint
 
@@ -46,6 +47,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     ``hf_hybrid.language_model_config``); what megatron-core cannot express is refused by name."""
     architectures = hf.get("architectures") or [hf.get("model_type", "<none>")]
     architecture = architectures[0]
+    if architecture in hf_deepseek.ARCHITECTURES:
+        return hf_deepseek.config_from_hf(hf)
     if architecture not in ARCHITECTURES and architecture not in hf_hybrid.LANGUAGE_MODEL_OF:
         raise UnsupportedCheckpoint(
             f"architecture {architecture!r} (config.json 'architectures') is not supported: the converter "
@@ -104,6 +107,8 @@ def config_to_hf(model: ModelConfig, architecture: str | None = None,
     architecture = architecture or architecture_for(model)
     if architecture in hf_hybrid.ARCHITECTURES:
         return {**hf_hybrid.config_json(model, architecture), "torch_dtype": str(dtype).removeprefix("torch.")}
+    if architecture in hf_deepseek.ARCHITECTURES:
+        return {**hf_deepseek.config_json(model), "torch_dtype": str(dtype).removeprefix("torch.")}
     if (model.normalization, model.activation, model.position_embedding, model.add_bias_linear) != (
             "RMSNorm", "swiglu", "rope", False):
         raise UnsupportedCheckpoint(
@@ -204,6 +209,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": Architecture("Qwen3MoeForCausalLM", _qwen3_moe_settings, _qwen3_moe_config_json,
                                         _EMBEDDINGS, _ATTENTION, _MLP, _QWEN3_MOE),
     **hf_hybrid.ARCHITECTURES,
+    **hf_deepseek.ARCHITECTURES,
 }
 
 
@@ -211,6 +217,12 @@ def architecture_for(model: ModelConfig) -> str:
     """The HF architecture a megatron model of ``model`` is written back as."""
     if model.layer_types is not None:
         return hf_hybrid.architecture_for(model)
+    if hf_deepseek.fits(model):
+        return hf_deepseek.DEEPSEEK_V3
+    if model.mtp_num_layers:
+        raise UnsupportedCheckpoint(f"mtp_num_layers={model.mtp_num_layers} without multi-latent attention: the one "
+                                    "Hugging Face architecture here with MTP layers is DeepSeek-V3's; keep this "
+                                    "model as a megatron checkpoint")
     if model.qk_layernorm and not model.add_qkv_bias:
         return "Qwen3MoeForCausalLM" if model.num_experts is not None else "Qwen3ForCausalLM"
     if model.num_experts is not None or model.qk_layernorm:

@@ -6,7 +6,10 @@ kernel provider's norm and core attention (patches/kernels.py), so the same spec
 Mixture-of-Experts model gets megatron's own ``get_gpt_decoder_block_spec`` over the same local layer specs:
 it places MoE and dense layers as ``moe_layer_freq`` says and keeps this pipeline stage's, and its MoE layers
 use megatron's grouped experts (``TEGroupedMLP`` over the kernel provider's grouped GEMM) when the config
-says ``moe_grouped_gemm``, else ``SequentialMLP``; both checkpoint under the same keys.
+says ``moe_grouped_gemm``, else ``SequentialMLP``; both checkpoint under the same keys. Multi-latent attention
+is megatron's ``MLATransformerConfig`` and the same specs' MLA layers (``MLASelfAttention``, the provider's core
+attention taking its separate key and value head sizes); multi-token prediction is megatron's MTP block over
+the last decoder layer's spec, as Megatron-LM's gpt_builders builds it: the GPTModel adds its loss.
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-from megatron.core.transformer import TransformerConfig
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
 from adapter.parallel import PipelineSplit
 
 from . import get as named_model
-from .config import HYBRID_FIELDS, ModelConfig, ModelConfigError
+from .config import HYBRID_FIELDS, MLA_FIELDS, ModelConfig, ModelConfigError
 from .hybrid import build_hybrid_model
 
 _ACTIVATIONS = {"swiglu": (F.silu, True), "gelu": (F.gelu, False)}
@@ -67,11 +74,22 @@ def transformer_config(model: ModelConfig, **overrides) -> TransformerConfig:
         settings.update(_moe_settings(model))
     if model.layer_types is not None:
         settings.update(_hybrid_settings(model))
+    if model.mtp_num_layers is not None:
+        settings["mtp_num_layers"] = model.mtp_num_layers
+    if model.multi_latent_attention:
+        settings.update(_latent_attention_settings(model))
     settings.update(overrides)
     model.check_layout(settings["tensor_model_parallel_size"], settings["pipeline_model_parallel_size"],
                        settings["virtual_pipeline_model_parallel_size"], settings.get("expert_model_parallel_size", 1),
                        settings.get("expert_tensor_parallel_size"), split=_pipeline_split(settings))
-    return TransformerConfig(**settings)
+    return (MLATransformerConfig if model.multi_latent_attention else TransformerConfig)(**settings)
+
+
+def _latent_attention_settings(model: ModelConfig) -> dict:
+    """MLATransformerConfig's fields: MLA's sizes and its YaRN RoPE (megatron's MLA turns its own rotary
+    embedding, from rotary_base and rotary_percent too; GPTModel builds none beside it)."""
+    return dict(multi_latent_attention=True, rope_type="yarn", rotary_base=model.rotary_base,
+                rotary_percent=model.rotary_percent, **{name: getattr(model, name) for name in MLA_FIELDS})
 
 
 def _pipeline_split(settings: dict) -> PipelineSplit:
@@ -98,6 +116,8 @@ def _moe_settings(model: ModelConfig) -> dict:
         moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
         moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_router_num_groups=model.moe_router_num_groups,
+        moe_router_group_topk=model.moe_router_group_topk,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
     )
@@ -119,7 +139,8 @@ def build_model(model: ModelConfig, config: TransformerConfig, vp_stage: int | N
     if model.layer_types is not None:
         return build_hybrid_model(model, config, vp_stage, pre_process, post_process)
     if model.num_experts is None:
-        spec = get_gpt_layer_local_spec(normalization=model.normalization, qk_layernorm=model.qk_layernorm)
+        spec = get_gpt_layer_local_spec(normalization=model.normalization, qk_layernorm=model.qk_layernorm,
+                                        multi_latent_attention=model.multi_latent_attention)
     else:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=model.normalization,
                                           vp_stage=vp_stage)
@@ -133,8 +154,22 @@ def build_model(model: ModelConfig, config: TransformerConfig, vp_stage: int | N
         share_embeddings_and_output_weights=model.tie_embeddings,
         position_embedding_type=model.position_embedding,
         rotary_base=model.rotary_base,
+        mtp_block_spec=_mtp_block_spec(model, config, spec, vp_stage),
         vp_stage=vp_stage,
     )
+
+
+def _mtp_block_spec(model: ModelConfig, config: TransformerConfig, spec, vp_stage: int | None):
+    """megatron's MTP block spec for this stage (None where it holds no MTP layer, or the model has none):
+    each MTP layer is the model's last decoder layer, as in Megatron-LM's gpt_builders. MTP layers live on the
+    last stage, whose block spec ends with that layer; where an uneven split leaves it none, a MoE layer's."""
+    if model.mtp_num_layers is None:
+        return None
+    if getattr(spec, "layer_specs", True) == []:
+        spec = get_gpt_layer_local_spec(num_experts=model.num_experts, normalization=model.normalization,
+                                        qk_layernorm=model.qk_layernorm,
+                                        multi_latent_attention=model.multi_latent_attention)
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
 
 
 def make_model_provider(model: ModelConfig | str, **config_overrides):
@@ -162,9 +197,12 @@ _ARG_FIELDS = {
     "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
     "moe_router_score_function": "moe_router_score_function",
     "moe_router_topk_scaling_factor": "moe_router_topk_scaling_factor",
+    "mtp_num_layers": "mtp_num_layers",
+    **{name: name for name in MLA_FIELDS},
 }
 # Megatron-LM's switches that are ModelConfig fields of the same meaning.
-_SWITCH_FIELDS = ("qk_layernorm", "moe_shared_expert_gate", "moe_router_pre_softmax", "moe_router_enable_expert_bias")
+_SWITCH_FIELDS = ("qk_layernorm", "moe_shared_expert_gate", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+                  "multi_latent_attention")
 
 
 def config_from_args(args: argparse.Namespace) -> ModelConfig:

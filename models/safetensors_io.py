@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+# F8_E4M3: DeepSeek-V3's published weights (read only: the converter dequantizes them, models/fp8_blocks.py)
+DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+               torch.float8_e4m3fn: "F8_E4M3"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 

@@ -55,6 +55,30 @@ class Rename(_OneTensor):
 
 
 @dataclasses.dataclass(frozen=True)
+class Copies(_OneTensor):
+    """One megatron tensor HF stores under several names: DeepSeek-V3's MTP layer keeps its own copy of the
+    embedding and of the output head, which megatron's MTP shares with the model. Written to every name, read
+    from the first; the converter checks the others equal it (a copy that differs has no place in megatron)."""
+    megatron: str
+    hf: tuple[str, ...]
+
+    def hf_names(self, layer: str, expert: str = "") -> list[str]:
+        return [name.format(layer=layer, expert=expert) for name in self.hf]
+
+    def hf_shapes(self, model: ModelConfig, megatron_shape: tuple) -> list[tuple]:
+        return [megatron_shape] * len(self.hf)
+
+    def to_megatron(self, tensors: list[torch.Tensor], model: ModelConfig) -> torch.Tensor:
+        return tensors[0]
+
+    def to_hf(self, tensors: list[torch.Tensor], model: ModelConfig) -> list[torch.Tensor]:
+        return tensors * len(self.hf)
+
+    def row_range(self, index: int, megatron_rows: int) -> tuple[int, int]:
+        return 0, megatron_rows
+
+
+@dataclasses.dataclass(frozen=True)
 class ZeroCentred(Rename):
     """A norm weight HF stores as gamma and megatron as gamma - 1 (``layernorm_zero_centered_gamma``): Gated
     DeltaNet's output norm, whose HF module scales by its weight while every other norm of the model scales
@@ -208,7 +232,7 @@ class Section:
         return None
 
 
-Mapping = Rename | QKV | GatedMLP | Section
+Mapping = Rename | Copies | QKV | GatedMLP | Section
 
 
 def per_expert(mapping: Mapping) -> bool:

@@ -5,20 +5,25 @@ Modules come in through megatron's spec extension point: ``get_gpt_layer_local_s
 provider's modules. Functions megatron reaches through a ``TransformerConfig`` fusion flag are replaced
 where the flag sends them, so the flags keep their meaning: ``bias_activation_fusion`` (SwiGLU),
 ``apply_rope_fusion`` (RoPE), ``masked_softmax_fusion`` (softmax), ``cross_entropy_loss_fusion``.
-A provider entry of None leaves megatron's own implementation in place.
+A provider entry of None leaves megatron's own implementation in place. With multi-latent attention,
+``apply_rope_fusion`` calls megatron's Triton YaRN RoPE kernels, which need a GPU: off CUDA the same
+computation in torch (adapter/kernels/mla_rope.py) answers them on the cpu and npu backends.
 """
 
-import os
+import functools
 from functools import partial
 
 from packaging.version import Version
 
 from adapter import kernels
+from adapter.cuda_only_features import RefusedSetting
+from adapter.kernels import context_parallel, mla_rope
 from adapter.registry import installed_megatron_core_version
 
 _BACKENDS = "megatron.core.models.backends:LocalSpecProvider"
 _ROPE = "megatron.core.models.common.embeddings.rope_utils"
 _SOFTMAX = "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax"
+_MLA_ROPE = "megatron.core.fusions.fused_mla_yarn_rope_apply"
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 _HYBRID_BLOCK = "megatron.core.models.hybrid.hybrid_block"
 _HYBRID_VERSIONS = ">=0.18,<=0.19.2"
@@ -97,26 +102,25 @@ def _fused_interleaved_rope_allowed(post_init):
     return __post_init__
 
 
-_MLA_CONFIG = "megatron.core.transformer.transformer_config:MLATransformerConfig.__post_init__"
-_said = []
+def _mla_ring_attention_refused(validate_args):
+    """Megatron-LM's ``validate_args``: multi-latent attention over ring (p2p) context parallelism, whose
+    query/key and value head sizes differ, is refused in one line before any model is built (the core
+    attention's own refusal comes at model build, on every rank)."""
 
+    @functools.wraps(validate_args)
+    def validate(args, *rest, **kwargs):
+        if not getattr(args, "multi_latent_attention", False) or args.context_parallel_size == 1:
+            return validate_args(args, *rest, **kwargs)
+        comm_types = args.cp_comm_type if isinstance(args.cp_comm_type, (list, tuple)) else [args.cp_comm_type]
+        qk, v = args.qk_head_dim + args.qk_pos_emb_head_dim, args.v_head_dim
+        if qk != v and any((kind or "p2p") == "p2p" for kind in comm_types):
+            raise RefusedSetting(
+                f"--multi-latent-attention (query/key head size {qk} = --qk-head-dim + --qk-pos-emb-head-dim, value "
+                f"head size {v}) with --context-parallel-size {args.context_parallel_size} and --cp-comm-type "
+                f"{' '.join(map(str, comm_types))}: {context_parallel.RING_HEAD_SIZES}; use --cp-comm-type a2a")
+        return validate_args(args, *rest, **kwargs)
 
-def _mla_rope_unfused(post_init):
-    """MLA's ``apply_rope_fusion`` runs megatron's Triton YaRN kernels (fused_mla_yarn_rope_apply), which need
-    CUDA's Triton driver: off CUDA, megatron's unfused MLA RoPE (the same rotation) runs, said once per job
-    (by rank 0)."""
-
-    def __post_init__(self):
-        if self.multi_latent_attention and self.apply_rope_fusion:
-            self.apply_rope_fusion = False
-            if not _said and os.environ.get("RANK", "0") == "0":
-                _said.append(True)
-                print("[adapter] apply_rope_fusion with multi_latent_attention: megatron's fused MLA RoPE is a "
-                      "CUDA Triton kernel; megatron's unfused MLA RoPE (the same rotation) runs on this backend",
-                      flush=True)
-        return post_init(self)
-
-    return __post_init__
+    return validate
 
 
 def _register_moe_permutation(registry, versions: str, provider) -> None:
@@ -145,8 +149,13 @@ def register(registry, versions: str) -> None:
                   reason="moe_grouped_gemm in the local spec runs the provider's grouped GEMM (no grouped_gemm/TE): "
                          "0.16 gets (TEGroupedMLP, submodules), 0.17+ a TEGroupedMLP experts builder")
     _register_moe_permutation(registry, versions, provider)
-    registry.wrap(_MLA_CONFIG, _mla_rope_unfused, versions=versions, backends=("cpu", "npu"),
-                  reason="MLA's fused RoPE is megatron's CUDA Triton kernel: its unfused path runs off CUDA")
+    for name in ("fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"):
+        registry.replace(f"{_MLA_ROPE}:{name}", getattr(mla_rope, name), versions=versions, backends=("cpu", "npu"),
+                         reason="apply_rope_fusion with MLA: megatron's Triton kernel needs a GPU; the same "
+                                "computation in torch")
+    registry.wrap("megatron.training.arguments:validate_args", _mla_ring_attention_refused, versions=versions,
+                  backends=("cpu", "npu"), reason="MLA over ring context parallelism: the adapter's ring attention "
+                                                  "takes one head size; one line before any model is built")
     if provider.installed_norm() is None:
         for target in ("megatron.core.transformer.transformer_block:LayerNormImpl",
                        "megatron.core.models.gpt.gpt_layer_specs:LNImpl"):

@@ -13,11 +13,16 @@ builders' choice, the checks on TE-only features, and the checkpoint's recorded 
 ``--moe-grouped-gemm`` asserts an NVIDIA compute capability >= 8 (CUTLASS's grouped GEMM). Off CUDA the
 experts run the kernel provider's grouped GEMM (``npu_grouped_matmul``, torch's), which asks no capability:
 the check is answered for them. It is the only use of the flag in ``validate_args``.
+
+Whether TE is importable is the CUDA provider's answer (``cuda_provider.HAVE_TE``), the one the kernels
+and our own flow's notice use too.
 """
 
 from __future__ import annotations
 
 import functools
+
+from adapter.kernels import cuda_provider
 
 _T = "megatron.training."
 OFF_CUDA = ("cpu", "npu")
@@ -29,19 +34,12 @@ def _say(args, message: str) -> None:
         print(f"[adapter] {message}", flush=True)
 
 
-def _transformer_engine_importable() -> bool:
-    """Megatron's own verdict (its TE spec is built on exactly this)."""
-    from megatron.core.extensions import transformer_engine
-
-    return bool(transformer_engine.HAVE_TE)
-
-
 def local_spec_without_transformer_engine(validate_args):
     """``--transformer-impl transformer_engine`` without TE runs as ``local``: the adapter's layer spec."""
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
-        if args.transformer_impl == "transformer_engine" and not _transformer_engine_importable():
+        if args.transformer_impl == "transformer_engine" and not cuda_provider.HAVE_TE:
             from adapter import kernels
 
             _say(args, "--transformer-impl transformer_engine: Transformer Engine is not importable, so megatron's "

@@ -9,7 +9,8 @@ loading, so the checkpoint loads at any TP/PP/EP; --tp/--pp/--ep are checked aga
 mcore-to-hf reads a checkpoint saved at any TP/PP/EP (a converted one or one from training) and writes
 safetensors shards, config.json and the tokenizer files. Both stream: peak memory is about one layer plus
 one safetensors shard. Supported architectures: Qwen2ForCausalLM (Qwen2 / Qwen2.5), LlamaForCausalLM,
-Qwen3ForCausalLM and Qwen3MoeForCausalLM.
+Qwen3ForCausalLM, Qwen3MoeForCausalLM, the hybrid Qwen3.5 / Qwen3-Next, and DeepseekV3ForCausalLM (DeepSeek-V3/R1,
+Kimi-K2; its MTP layer included, FP8 block-quantized weights read as bf16).
 """
 
 from __future__ import annotations

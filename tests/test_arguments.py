@@ -82,6 +82,12 @@ REFUSED = [
     ([*TINY, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
       "--num-layers-per-virtual-pipeline-stage", "1"], 2,
      "--num-layers-per-virtual-pipeline-stage with an uneven pipeline split"),
+    ([*BARE, "--multi-latent-attention", "--disable-bias-linear", "--context-parallel-size", "2",
+      "--attention-dropout", "0"], 2,
+     "--context-parallel-size 2 --cp-comm-type p2p with multi-latent attention's key heads of 192 and value heads "
+     "of 128: the adapter's ring attention"),
+    ([*BARE, "--multi-latent-attention", "--add-qkv-bias"], 2,
+     "multi_latent_attention with add_qkv_bias=True: megatron's MLA is a GPT stack's attention"),
     ([*MOE, "--moe-router-num-groups", "4"], 2, "--moe-router-num-groups and --moe-router-group-topk go together"),
     ([*MOE, "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 2,
      "--moe-router-num-groups 3 does not divide the 8 experts"),
@@ -144,6 +150,10 @@ def test_context_parallel_takes_its_ranks_from_data_parallel_and_one_comm_type()
     args = validate_args(parse_args([*TINY, "--context-parallel-size", "2", "--attention-dropout", "0",
                                      "--cp-comm-type", *["a2a"] * 4]), 2)
     assert args.cp_comm_type == "a2a"
+    mla = validate_args(parse_args([*BARE, "--multi-latent-attention", "--disable-bias-linear",
+                                    "--context-parallel-size", "2", "--attention-dropout", "0", "--cp-comm-type",
+                                    "a2a"]), 2)
+    assert mla.model_config.multi_latent_attention and mla.cp_comm_type == "a2a"  # Ulysses takes MLA's head sizes
 
 
 def test_the_resilience_arguments_keep_megatron_lms_names_and_defaults():
@@ -223,8 +233,8 @@ def test_megatron_lm_flags_the_flow_lacks_are_refused_in_one_line_naming_adapter
     for flag in switches:
         line = refused_line([*TINY, flag], capsys)
         assert line.startswith(f"{flag}: Megatron-LM's flag") and "-m adapter.run" in line, line
-    line = refused_line([*TINY, "--lr-decay-samples", "10", "--async-save"], capsys)
-    assert line.startswith("--lr-decay-samples --async-save: Megatron-LM's flags"), line
+    line = refused_line([*TINY, "--lr-decay-samples", "10", "--log-params-norm"], capsys)
+    assert line.startswith("--lr-decay-samples --log-params-norm: Megatron-LM's flags"), line
     # a value only Megatron-LM's flag takes
     line = refused_line([*TINY, "--ckpt-format", "torch"], capsys)
     assert line.startswith("--ckpt-format torch: Megatron-LM's value") and "-m adapter.run" in line, line
@@ -261,7 +271,7 @@ LAUNCHED = [REFUSED[i] for i in (0, 8, 15)] + [
     ([*TINY, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", "/no/such.model"], 2,
      "--tokenizer-model '/no/such.model' is not a file"),
     ([*TINY, "--no-such-flag"], 2, "usage: "),
-    ([*TINY, "--multi-latent-attention"], 2, "--multi-latent-attention: Megatron-LM's flag, which this flow"),
+    ([*TINY, "--log-params-norm"], 2, "--log-params-norm: Megatron-LM's flag, which this flow"),
     ([*TINY, "--tp-comm-overlap"], 2, "--tp-comm-overlap: TP communication overlap runs only on CUDA"),
 ]
 

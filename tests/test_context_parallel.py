@@ -13,7 +13,9 @@ from tests.distributed import run_ranks
 
 # (cp_comm_type, sequence, query heads, key/value heads): MHA, GQA 2:1 and 4:1 (one group: a2a cannot split
 # it), sequences whose chunks differ in causal work (chunk 0 sees itself, chunk 2CP-1 everything)
-CP2_CASES = [("p2p", 24, 4, 4), ("p2p", 40, 4, 2), ("p2p", 16, 4, 1), ("a2a", 24, 4, 4), ("a2a", 40, 4, 2)]
+# The last: Ulysses with value heads narrower than the query/key ones (multi-latent attention's 6 vs 8).
+CP2_CASES = [("p2p", 24, 4, 4), ("p2p", 40, 4, 2), ("p2p", 16, 4, 1), ("a2a", 24, 4, 4), ("a2a", 40, 4, 2),
+             ("a2a", 24, 4, 2, 6)]
 CP4_CASES = [("p2p", 32, 4, 2), ("a2a", 48, 8, 4)]
 
 

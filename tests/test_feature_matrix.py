@@ -65,6 +65,23 @@ def test_the_markdown_has_a_column_per_flow_and_backend_and_the_totals():
     assert "Totals: 1 trains, 1 refused, 0 fails." in text and "FP8" not in text
 
 
+def test_an_update_keeps_the_recorded_cells_it_does_not_rerun(tmp_path, monkeypatch):
+    """--update reruns the cells asked for; the others come back from the JSON with their columns."""
+    recorded = {("TP2", "megatron-lm", "npu"): feature_matrix.Outcome("trains", "loss 5.3 at iteration 4", 12.0),
+                ("SGD", "flow", "cpu"): feature_matrix.Outcome("refused", "no", 3.0)}
+    feature_matrix.save_results(tmp_path / "FEATURES.json", recorded, "note")
+    rerun = feature_matrix.Outcome("trains", "loss 5.1 at iteration 4", 9.0)
+    monkeypatch.setattr(feature_matrix, "run_cell", lambda feature, flow, backend, checkout, timeout: rerun)
+    status = feature_matrix.main(["--update", "--only", "SGD", "--flows", "flow", "--backends", "cpu",
+                                  "--megatron-lm", str(tmp_path), "--out", str(tmp_path / "FEATURES.md")])
+    assert status == 0
+    assert feature_matrix.load_results(tmp_path / "FEATURES.json") == {**recorded, ("SGD", "flow", "cpu"): rerun}
+    table = (tmp_path / "FEATURES.md").read_text()
+    assert "Megatron-LM pretrain_gpt.py, npu provider (double) | scripts/pretrain_gpt.py, cpu |" in table
+    assert "| SGD | `--optimizer sgd` | 2 | not run | not run | **trains**: loss 5.1 at iteration 4 | not run |" \
+        in table
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cpu", "npu"])
 def test_ci_subset_the_flow_trains_tp2_on_each_backend(backend):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from adapter.core_source import megatron_lm_checkout
-from tests.distributed import ROOT
+from tests.distributed import ROOT, free_port
 
 pytestmark = [pytest.mark.megatron_lm, pytest.mark.multiproc, pytest.mark.slow]
 
@@ -46,6 +46,7 @@ def _run(workdir: Path, nproc: int, args: list[str], **env) -> str:
     env = {**os.environ, "ADAPTER_BACKEND": "cpu", "OMP_NUM_THREADS": "1", **env,
            "PYTHONPATH": os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT), os.environ.get("PYTHONPATH"))
                                          if p)}
+    workdir.mkdir(parents=True, exist_ok=True)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(nproc), "-m", "adapter.run", str(megatron_lm_checkout() / "pretrain_gpt.py"), *args],
                           cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -75,6 +76,55 @@ def test_multi_latent_attention_trains_at_tp2(tmp_path, kernels):
     _falls(_losses(log), 6)
 
 
+@pytest.fixture(scope="module")
+def mla_curves(tmp_path_factory):
+    """MLA on one rank, 4 iterations: as Megatron-LM's defaults run it (--apply-rope-fusion), with
+    --no-rope-fusion, and with --recompute-modules mla_up_proj."""
+    workdir = tmp_path_factory.mktemp("mla")
+    runs = {"fused": [], "unfused": ["--no-rope-fusion"],
+            "mla_up_proj": ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"]}
+    return {name: _losses(_run(workdir / name, 1, TINY + MLA + ["--train-iters", "4"] + extra))
+            for name, extra in runs.items()}
+
+
+def test_mla_rope_fusion_trains_the_curve_of_megatrons_unfused_rope(mla_curves):
+    """Megatron-LM's default --apply-rope-fusion with MLA's YaRN RoPE runs megatron's fused entry points (off
+    CUDA the adapter's torch version of its Triton kernels); --no-rope-fusion, megatron's unfused RoPE: the
+    same loss curve."""
+    _falls(mla_curves["fused"], 4)
+    assert mla_curves["fused"] == pytest.approx(mla_curves["unfused"], rel=1e-5), mla_curves
+
+
+def test_recomputing_mla_up_proj_trains_the_curve_of_no_recompute(mla_curves):
+    assert mla_curves["mla_up_proj"] == mla_curves["fused"]  # as logged; bit for bit in test_selective_recompute.py
+
+
+def test_mla_over_ulysses_context_parallelism_trains_the_curve_without(tmp_path):
+    """MLA at CP2 with --cp-comm-type a2a (24-wide query/key, 16-wide value heads through the all-to-all)
+    against the same run on one rank without context parallelism."""
+    args = TINY + MLA + ["--train-iters", "4"]
+    cp2 = _losses(_run(tmp_path / "cp2", 2, args + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]))
+    _falls(cp2, 4)
+    assert cp2 == pytest.approx(_losses(_run(tmp_path / "cp1", 1, args)), rel=1e-4)
+
+
+def test_mla_over_ring_context_parallelism_is_refused_in_one_line_before_the_model(tmp_path):
+    """Through scripts/launch.py (torchrun itself prints a traceback of its own for a failed rank)."""
+    env = {**os.environ, "ADAPTER_BACKEND": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch.py"), "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "adapter.run",
+                           str(megatron_lm_checkout() / "pretrain_gpt.py"), *TINY, *MLA, "--train-iters", "4",
+                           "--context-parallel-size", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    log = done.stdout + done.stderr
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1, log[-4000:]
+    assert "--cp-comm-type p2p: the adapter's ring attention" in errors[0], errors
+    assert errors[0].endswith("use --cp-comm-type a2a") and "Traceback" not in log, log[-4000:]
+    assert "building GPT model" not in log, log[-4000:]
+
+
 def test_deepseek_v3_flag_set_trains_at_pp2_ep2_tp2(tmp_path):
     args = TINY + MLA + DEEPSEEK_V3_MOE + ["--train-iters", "4", "--pipeline-model-parallel-size", "2",
                                           "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
@@ -82,4 +132,3 @@ def test_deepseek_v3_flag_set_trains_at_pp2_ep2_tp2(tmp_path):
     log = _run(tmp_path, 8, args)
     _falls(_losses(log), 4)
     assert re.search(r"mtp_1 loss: \S+", log) and re.search(r"seq_load_balancing_loss: \S+", log), log[-3000:]
-    assert log.count("megatron's fused MLA RoPE is a CUDA Triton kernel") == 1  # said once per job

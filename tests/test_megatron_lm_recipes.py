@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from megatron.core.extensions import transformer_engine
 
 import adapter  # noqa: F401 - before the patches, as a user script does
+from adapter.kernels import cuda_provider
 from patches.megatron_lm_recipes import grouped_gemm_without_compute_capability, local_spec_without_transformer_engine
 from tests.distributed import run_ranks
 from tests.spec_keys_ranks import save_and_load_keys
@@ -42,7 +42,7 @@ def _validated(wrapper, **args):
 
 @pytest.mark.parametrize("impl", ["transformer_engine", "local"])
 def test_without_transformer_engine_both_spellings_validate_as_the_local_spec(monkeypatch, capsys, impl):
-    monkeypatch.setattr(transformer_engine, "HAVE_TE", False)
+    monkeypatch.setattr(cuda_provider, "HAVE_TE", False)
     seen, args = _validated(local_spec_without_transformer_engine, transformer_impl=impl)
     assert seen["transformer_impl"] == args.transformer_impl == "local"
     lines = [line for line in capsys.readouterr().out.splitlines() if "--transformer-impl" in line]
@@ -50,14 +50,14 @@ def test_without_transformer_engine_both_spellings_validate_as_the_local_spec(mo
 
 
 def test_with_transformer_engine_importable_it_stays_transformer_engine(monkeypatch, capsys):
-    monkeypatch.setattr(transformer_engine, "HAVE_TE", True)
+    monkeypatch.setattr(cuda_provider, "HAVE_TE", True)
     seen, args = _validated(local_spec_without_transformer_engine, transformer_impl="transformer_engine")
     assert seen["transformer_impl"] == args.transformer_impl == "transformer_engine"
     assert capsys.readouterr().out == ""
 
 
 def test_the_line_comes_from_rank_0_only(monkeypatch, capsys):
-    monkeypatch.setattr(transformer_engine, "HAVE_TE", False)
+    monkeypatch.setattr(cuda_provider, "HAVE_TE", False)
     local_spec_without_transformer_engine(lambda args: args)(
         argparse.Namespace(rank=1, transformer_impl="transformer_engine"))
     assert capsys.readouterr().out == ""

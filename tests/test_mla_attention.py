@@ -86,10 +86,76 @@ def test_packed_sequences_with_separate_value_head_size(provider):
     assert_all_close(got, forward_backward(per_sequence, leaves(q, k, v)), torch.float32)
 
 
-def test_context_parallel_with_separate_head_sizes_is_refused_in_one_line(provider):
-    config = attention_config(heads=HEADS, groups=HEADS, head_dim=16, context_parallel_size=2)
-    with pytest.raises(kernels.UnsupportedKernelSetting, match="context_parallel_size=2 with key head size 24"):
-        _core_attention(provider, config, 24, 16)
+def test_ring_attention_with_separate_head_sizes_is_refused_and_ulysses_takes_them(provider):
+    """Ulysses with MLA's head sizes is held to whole-sequence attention in tests/test_context_parallel.py."""
+    ring = attention_config(heads=HEADS, groups=HEADS, head_dim=16, context_parallel_size=2, cp_comm_type="p2p")
+    with pytest.raises(kernels.UnsupportedKernelSetting, match="cp_comm_type='p2p' with query/key head size 24 != "
+                                                               "value head size 16.*use cp_comm_type='a2a'"):
+        _core_attention(provider, ring, 24, 16)
+    ulysses = attention_config(heads=HEADS, groups=HEADS, head_dim=16, context_parallel_size=2, cp_comm_type="a2a")
+    assert _core_attention(provider, ulysses, 24, 16).cp_kind == "a2a"
+
+
+# Megatron-LM's arguments for MLA over context parallelism (query/key head 16 + 8, value head 16)
+MLA_CP_ARGS = dict(multi_latent_attention=True, context_parallel_size=2, qk_head_dim=16, qk_pos_emb_head_dim=8,
+                   v_head_dim=16)
+
+
+@pytest.mark.parametrize("comm_types", [["p2p"], ["a2a", "p2p"]])
+def test_megatron_lms_validate_args_refuses_mla_over_ring_attention_in_one_line(comm_types):
+    from types import SimpleNamespace
+
+    from adapter.cuda_only_features import RefusedSetting
+    from patches.kernels import _mla_ring_attention_refused
+
+    ran = []
+    with pytest.raises(RefusedSetting) as refused:
+        _mla_ring_attention_refused(ran.append)(SimpleNamespace(**MLA_CP_ARGS, cp_comm_type=comm_types))
+    line = str(refused.value)
+    assert "\n" not in line and ran == [], line  # before megatron's own checks, so before any model
+    assert line.startswith("--multi-latent-attention (query/key head size 24") and "value head size 16" in line
+    assert f"--cp-comm-type {' '.join(comm_types)}:" in line and line.endswith("use --cp-comm-type a2a"), line
+
+
+@pytest.mark.parametrize("args", [dict(cp_comm_type=["a2a"]), dict(cp_comm_type=["p2p"], v_head_dim=24),
+                                  dict(cp_comm_type=["p2p"], context_parallel_size=1),
+                                  dict(cp_comm_type=["p2p"], multi_latent_attention=False)],
+                         ids=["ulysses", "equal_sizes", "no_cp", "no_mla"])
+def test_what_the_adapters_attention_runs_passes_validate_args(args):
+    from types import SimpleNamespace
+
+    from patches.kernels import _mla_ring_attention_refused
+
+    assert _mla_ring_attention_refused(lambda a: "megatron's")(SimpleNamespace(**{**MLA_CP_ARGS, **args})) == \
+        "megatron's"
+
+
+# Megatron-LM's argument parsing and validate_args (the wheel's megatron.training), as pretrain_gpt.py starts
+_VALIDATE = """
+from megatron.training.arguments import parse_args, validate_args
+validate_args(parse_args())
+print("validated")
+"""
+MLA_FLAGS = ["--multi-latent-attention", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+             "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+             "--max-position-embeddings", "64", "--micro-batch-size", "1", "--context-parallel-size", "2"]
+
+
+@pytest.mark.slow
+def test_under_adapter_run_mla_over_ring_attention_is_one_line_and_status_2(tmp_path):
+    """Through the wheel's megatron.training (no checkout needed); the ulysses spelling trains in
+    tests/test_megatron_lm_deepseek.py."""
+    import subprocess
+    import sys
+
+    from tests.distributed import _base_env
+
+    (tmp_path / "start.py").write_text(_VALIDATE)
+    env = _base_env({"ADAPTER_BACKEND": "cpu", "RANK": "0", "WORLD_SIZE": "2"})
+    ring = subprocess.run([sys.executable, "-m", "adapter.run", "start.py", *MLA_FLAGS, "--cp-comm-type", "p2p"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert ring.returncode == 2 and "Traceback" not in ring.stderr and "validated" not in ring.stdout, ring.stderr
+    assert ring.stderr.strip().splitlines()[-1].startswith("error: --multi-latent-attention (query/key head size 24")
 
 
 def _mla_config(dtype=torch.float32, **rope):
@@ -111,7 +177,8 @@ def _mla_layer(config):
 
 
 # YaRN as DeepSeek-V3 (scaling factor 40, mscale_all_dim 1): scale = (0.1 ln 40 + 1)^2 / sqrt(q head size);
-# apply_rope_fusion asks for megatron's Triton MLA RoPE, which off CUDA runs unfused (patches/kernels.py).
+# apply_rope_fusion calls megatron's fused MLA RoPE entry points, off CUDA the adapter's torch version of its
+# Triton kernels (adapter/kernels/mla_rope.py, through patches/kernels.py).
 ROPES = {"rope": ({}, 1.0),
          "yarn_fused": (dict(rope_type="yarn", rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0,
                              apply_rope_fusion=True), (0.1 * math.log(40.0) + 1.0) ** 2)}
@@ -147,3 +214,111 @@ def test_megatron_mla_self_attention_trains_through_the_adapter_spec(provider, m
     torch.testing.assert_close(seen["got"], seen["want"], atol=1e-5, rtol=1e-5)
     assert layer.softmax_scale == pytest.approx(ROPES[rope][1] / math.sqrt(16 + 8))
     called(provider, "npu_fusion_attention")
+
+
+# ------------------------------------------------------------------- MLA's fused YaRN RoPE off the GPU
+class _CPGroup:
+    """What megatron's thd RoPE asks of a context-parallel group: its size and this rank."""
+
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def _yarn(emb_dim):
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    return YarnRotaryEmbedding(emb_dim, use_cpu_initialization=True, scaling_factor=40.0,
+                               original_max_position_embeddings=4, mscale=1.0, mscale_all_dim=0.0)
+
+
+def _unfused(t, freqs, mscale, cu_seqlens, cp):
+    """megatron's unfused MLA RoPE (MLASelfAttention with apply_rope_fusion=False): apply_rotary_pos_emb with
+    MLA's interleaved read, YaRN's mscale, and for thd the CP rank's chunks of each sequence."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=True)
+    return apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=_CPGroup(*cp),
+                                mla_rotary_interleaved=True)
+
+
+QK, EMB, V, MAX_SEQ = 16, 8, 12, 12
+# sbhd [12, 2, ...]; thd: sequences of 8 and 12 tokens whole, and CP ranks 0 and 1 of 2 (chunks r, 3 - r)
+LAYOUTS = {"sbhd": (None, (1, 0)), "thd": ([0, 8, 20], (1, 0)), "thd_cp2_rank0": ([0, 8, 20], (2, 0)),
+           "thd_cp2_rank1": ([0, 8, 20], (2, 1))}
+
+
+def _rope_inputs(layout):
+    """(cu_seqlens, (cp size, rank), leading dims of this rank's tokens, megatron's freqs and mscale, cos, sin)."""
+    bounds, cp = LAYOUTS[layout]
+    yarn = _yarn(EMB)
+    freqs, mscale = yarn(MAX_SEQ, packed_seq=bounds is not None)
+    cos, sin = yarn.get_cached_cos_sin(MAX_SEQ, dtype=torch.float32, packed_seq=bounds is not None)
+    if bounds is None:
+        return None, cp, (SEQ, BATCH), freqs, mscale, cos, sin
+    return torch.tensor(bounds, dtype=torch.int32), cp, (bounds[-1] // cp[0],), freqs, mscale, cos, sin
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fused_mla_rope_for_q_is_megatrons_unfused_rope(layout):
+    """megatron's entry point (the Triton kernel's on CUDA), forward and backward, against its unfused RoPE."""
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as fused
+
+    cu_seqlens, cp, rows, freqs, mscale, cos, sin = _rope_inputs(layout)
+    q = randn(*rows, HEADS, QK + EMB, seed=1)
+    got = forward_backward(lambda t: fused.fused_apply_mla_rope_for_q(t, cos, sin, QK, EMB, cu_seqlens, cp[1], cp[0]),
+                           leaves(q))
+
+    def unfused(t):
+        nope, pe = torch.split(t, [QK, EMB], dim=-1)
+        return torch.cat([nope, _unfused(pe, freqs, mscale, cu_seqlens, cp)], dim=-1)
+
+    assert_all_close(got, forward_backward(unfused, leaves(q)), torch.float32)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fused_mla_rope_for_kv_is_megatrons_unfused_rope(layout):
+    """Key: the heads' own part, then the rotated shared k_pos_emb; value: the rest. Gradients to kv and
+    k_pos_emb (summed over the heads sharing it)."""
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as fused
+
+    cu_seqlens, cp, rows, freqs, mscale, cos, sin = _rope_inputs(layout)
+    kv, k_pos_emb = randn(*rows, HEADS, QK + V, seed=2), randn(*rows, 1, EMB, seed=3)
+
+    def fused_kv(kv, k_pos_emb):
+        key, value = fused.fused_apply_mla_rope_for_kv(kv, k_pos_emb, cos, sin, EMB, QK, V, cu_seqlens, cp[1], cp[0])
+        return torch.cat([key.flatten(), value.flatten()])
+
+    def unfused(kv, k_pos_emb):
+        k_nope, value = torch.split(kv, [QK, V], dim=-1)
+        rotated = _unfused(k_pos_emb, freqs, mscale, cu_seqlens, cp).expand(*rows, HEADS, EMB)
+        return torch.cat([torch.cat([k_nope, rotated], dim=-1).flatten(), value.flatten()])
+
+    assert_all_close(forward_backward(fused_kv, leaves(kv, k_pos_emb)),
+                     forward_backward(unfused, leaves(kv, k_pos_emb)), torch.float32)
+
+
+def test_mla_layer_with_rope_fusion_is_the_layer_without(provider, monkeypatch):
+    """megatron's MLASelfAttention with apply_rope_fusion (its fused entry points, answered off CUDA by the
+    adapter) and without (megatron's unfused RoPE), same weights and input: output and every gradient."""
+    monkeypatch.setattr(kernels, "current", lambda: provider)
+    kernels.core_attention_module.cache_clear()
+    yarn = dict(rope_type="yarn", rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0)
+    runs = []
+    try:
+        for fusion in (True, False):
+            torch.manual_seed(0)
+            layer = _mla_layer(_mla_config(**yarn, apply_rope_fusion=fusion))
+            hidden = randn(SEQ, BATCH, 64, seed=4).requires_grad_(True)
+            runs.append(forward_backward(lambda x, layer=layer: layer(x, attention_mask=None)[0], [hidden])
+                        + [p.grad for p in layer.parameters()])
+    finally:
+        kernels.core_attention_module.cache_clear()
+    assert_all_close(runs[0], runs[1], torch.float32)

@@ -141,6 +141,8 @@ def _hf_parameters(model) -> int:
 
         with torch.device("meta"):
             return sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(_hf_config(model)).parameters())
+    if model.multi_latent_attention:  # DeepSeek-V3, Kimi-K2
+        return _hf_deepseek_v3_parameters(model)
     if model.num_experts is not None and not model.qk_layernorm:
         from tests.test_moe_flow import _hf_moe
 
@@ -161,6 +163,24 @@ def _hf_parameters(model) -> int:
         return sum(p.numel() for p in cls(config).parameters())
 
 
+def _hf_deepseek_v3_parameters(model) -> int:
+    """Hugging Face's DeepseekV3ForCausalLM of ``model``'s sizes, which builds no MTP layer."""
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
+        moe_intermediate_size=model.moe_ffn_hidden_size, num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_attention_heads,
+        n_shared_experts=model.moe_shared_expert_intermediate_size // model.moe_ffn_hidden_size,
+        n_routed_experts=model.num_experts, kv_lora_rank=model.kv_lora_rank, q_lora_rank=model.q_lora_rank,
+        qk_rope_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim, qk_nope_head_dim=model.qk_head_dim,
+        n_group=model.moe_router_num_groups or 1, topk_group=model.moe_router_group_topk or 1,
+        num_experts_per_tok=model.moe_router_topk, first_k_dense_replace=model.moe_layer_pattern().index(1),
+        tie_word_embeddings=model.tie_embeddings)
+    with torch.device("meta"):
+        return sum(p.numel() for p in transformers.DeepseekV3ForCausalLM(config).parameters())
+
+
 @pytest.mark.parametrize("name", models.names())
 def test_megatron_parameter_count_equals_hugging_face(one_rank, name):
     model = models.get(name)
@@ -170,7 +190,8 @@ def test_megatron_parameter_count_equals_hugging_face(one_rank, name):
         if NO_HYBRID or NO_QWEN35:
             pytest.skip(f"{name}: needs megatron-core's HybridModel (0.18+) and transformers' Qwen3.5 (5.23+)")
     count = _megatron_parameters(model)
-    assert count == _hf_parameters(model) == model.num_parameters()
+    mtp = (model.mtp_num_layers or 0) * model.mtp_layer_parameters()  # megatron's MTP layers, which HF does not build
+    assert count == _hf_parameters(model) + mtp == model.num_parameters()
 
 
 def test_published_sizes_are_what_the_names_say():

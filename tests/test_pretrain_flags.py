@@ -2,13 +2,16 @@
 on 2 gloo ranks: selective recompute of core attention and ``--transformer-impl transformer_engine`` (the
 adapter's spec where TE is not importable) train the same curve bit for bit, per-token loss the same curve
 where every micro-batch holds the same number of tokens, and ``--manual-gc`` turns Python's collector off and
-collects every ``--manual-gc-interval`` iterations. Refusals of the flags the flow lacks: tests/test_arguments.py."""
+collects every ``--manual-gc-interval`` iterations, ``--async-save`` writes the synchronous save's checkpoint in
+the background and resumes from it. Refusals of the flags the flow lacks: tests/test_arguments.py; multi-latent
+attention and MTP: tests/test_deepseek.py."""
 
 from __future__ import annotations
 
 import gc
 
 import pytest
+import torch
 
 from tests.distributed import run_ranks
 from tests.pretrain_ranks import logged_losses, run_pretrain, run_pretrain_printing
@@ -153,3 +156,57 @@ def test_group_limited_routing_over_every_group_is_plain_top_k_and_over_fewer_ro
     grouped = ["--moe-router-num-groups", "2", "--moe-router-group-topk"]
     assert logged_losses(run_ranks(1, run_pretrain, [*moe, *grouped, "2"])) == plain
     assert logged_losses(run_ranks(1, run_pretrain, [*moe, *grouped, "1"])) != plain
+
+
+def _checkpoint_tensors(checkpoint) -> dict:
+    """Every tensor of a torch_dist checkpoint, whole, read on this process."""
+    from models.torch_dist_io import checkpoint_reader, read_regions, tensors_metadata
+
+    regions = {key: ((0,) * len(t.global_shape), tuple(t.global_shape), t.dtype)
+               for key, t in tensors_metadata(checkpoint).items()}
+    return read_regions(checkpoint_reader(checkpoint), regions)
+
+
+def pretrain_counting_async_saves(argv: list[str]) -> dict:
+    """run_pretrain, counting the saves handed to megatron's asynchronous writer (its AsyncCallsQueue)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    scheduled, schedule = [], AsyncCallsQueue.schedule_async_request
+
+    def counting(queue, request):
+        scheduled.append(request)
+        return schedule(queue, request)
+
+    AsyncCallsQueue.schedule_async_request = counting
+    try:
+        return {**run_pretrain(argv), "async saves": len(scheduled)}
+    finally:
+        AsyncCallsQueue.schedule_async_request = schedule
+
+
+def test_async_save_writes_the_sync_saves_checkpoint_and_resumes_bit_exactly(tmp_path):
+    """--async-save (Megatron-LM's meaning): the save is written in the background while training goes on (the
+    curve is the one a synchronous save leaves), published once written (both iterations' checkpoints, the
+    tracker at the last), holds the same tensors as the synchronous save's, and resumes the curve bit for bit."""
+    from models import checkpoint_dir
+    from tests.pretrain_ranks import stopped_at
+
+    sync, background = tmp_path / "sync", tmp_path / "async"
+    saving = ["--save-interval", "2", "--use-distributed-optimizer"]
+    synchronous = run_ranks(2, pretrain_counting_async_saves, [*ARGV, "--save", str(sync), *saving])
+    asynchronous = run_ranks(2, pretrain_counting_async_saves, [*ARGV, "--save", str(background), *saving,
+                                                                "--async-save"])
+    assert [r["async saves"] for r in synchronous] == [0, 0] and [r["async saves"] for r in asynchronous] == [2, 2]
+    reference = logged_losses(synchronous)
+    assert logged_losses(asynchronous) == reference
+    assert (background / checkpoint_dir.TRACKER).read_text().strip() == "4"
+    assert sorted(p.name for p in background.iterdir() if p.is_dir()) == [checkpoint_dir.checkpoint_name(i)
+                                                                         for i in (2, 4)]
+    for iteration in (2, 4):
+        ours = _checkpoint_tensors(background / checkpoint_dir.checkpoint_name(iteration))
+        theirs = _checkpoint_tensors(sync / checkpoint_dir.checkpoint_name(iteration))
+        assert sorted(ours) == sorted(theirs) and len(ours) > 10
+        assert all(torch.equal(ours[key], theirs[key]) for key in ours)
+    resumed = logged_losses(run_ranks(2, run_pretrain, [*ARGV, "--use-distributed-optimizer", "--load",
+                                                        str(stopped_at(background, 2, tmp_path / "at2"))]))
+    assert resumed == {i: reference[i] for i in (3, 4)}

@@ -34,13 +34,13 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from adapter.kernels import UnsupportedKernelSetting, context_parallel
 
 
-def _check_cp_head_sizes(k_channels, v_channels, cp_size: int) -> None:
-    """The adapter's ring and all-to-all attention exchange q/k/v and merge outputs of one head size."""
+def _check_ring_head_sizes(k_channels, v_channels, cp_size: int) -> None:
+    """Ring attention takes one head size (context_parallel.RING_HEAD_SIZES); Ulysses any."""
     if k_channels is not None and v_channels is not None and k_channels != v_channels:
         raise UnsupportedKernelSetting(
-            f"context_parallel_size={cp_size} with key head size {k_channels} != value head size {v_channels} "
-            "(multi-latent attention): the adapter's context-parallel attention needs one head size; use "
-            "context_parallel_size=1 with MLA")
+            f"context_parallel_size={cp_size}, cp_comm_type='p2p' with query/key head size {k_channels} != value "
+            f"head size {v_channels} (multi-latent attention): {context_parallel.RING_HEAD_SIZES}; use "
+            "cp_comm_type='a2a' or context_parallel_size=1")
 
 
 class CoreAttention(MegatronModule):
@@ -59,11 +59,12 @@ class CoreAttention(MegatronModule):
         super().__init__(config=config)
         self.cp_group = self.cp_kind = None
         if config.context_parallel_size > 1:
-            _check_cp_head_sizes(k_channels, v_channels, config.context_parallel_size)
             tp = config.tensor_model_parallel_size
             self.cp_kind = context_parallel.check_cp_attention(
                 cp_comm_type or config.cp_comm_type, config.num_attention_heads // tp,
                 (config.num_query_groups or config.num_attention_heads) // tp, config.context_parallel_size)
+            if self.cp_kind == "p2p":
+                _check_ring_head_sizes(k_channels, v_channels, config.context_parallel_size)
             self.cp_group = (pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp")
                              else parallel_state.get_context_parallel_group())
         if config.softmax_type != "vanilla":

@@ -17,7 +17,11 @@ schemes its ``cp_comm_type`` names, over any kernel provider:
   (``merge_with_lse`` below unless the provider has its own).
 - ``a2a``, Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses"): an all-to-all trades the sequence split for a
   head split, each rank attends its heads over the whole sequence with the provider's plain ``attention``,
-  and an all-to-all trades back. Query and key/value head counts (per TP rank) must divide by CP.
+  and an all-to-all trades back. Query and key/value head counts (per TP rank) must divide by CP. Value
+  heads may be narrower or wider than query/key ones (multi-latent attention): each tensor travels whole.
+
+Ring attention here takes one head size for q, k and v (``RING_HEAD_SIZES``): MLA with ``p2p`` is refused
+(at the core attention's construction, and in Megatron-LM's ``validate_args`` before any model is built).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch.distributed as dist
 from adapter.kernels import UnsupportedKernelSetting
 
 COMM_TYPES = ("p2p", "a2a")
+RING_HEAD_SIZES = ("the adapter's ring attention (cp_comm_type p2p) exchanges K/V blocks and merges partial outputs "
+                   "of one head size; Ulysses (a2a) takes a value head size of its own")
 
 
 def check_cp_attention(cp_comm_type, heads: int, groups: int, cp: int) -> str:
@@ -172,11 +178,11 @@ def _positional_order(cp: int, length: int, device) -> torch.Tensor:
 
 
 def ulysses_attention(q, k, v, *, group, attention, **kwargs) -> torch.Tensor:
-    """megatron's sbhd layout: q [s, b, nq, d], k/v [s, b, nkv, d] -> [s, b, nq * d]; ``attention`` is the
-    provider's, run on this rank's heads over the whole sequence in position order."""
+    """megatron's sbhd layout: q [s, b, nq, d], k [s, b, nkv, d], v [s, b, nkv, dv] -> [s, b, nq * dv];
+    ``attention`` is the provider's, run on this rank's heads over the whole sequence in position order."""
     cp = dist.get_world_size(group)
     whole = [AllToAll.apply(t, group, 2, 0) for t in (q, k, v)]
     order = _positional_order(cp, whole[0].shape[0], q.device)
     out = attention(*(t[order] for t in whole), **kwargs)
-    out = out.view(out.shape[0], out.shape[1], -1, q.shape[-1])[torch.argsort(order)]
+    out = out.view(out.shape[0], out.shape[1], -1, v.shape[-1])[torch.argsort(order)]
     return AllToAll.apply(out, group, 0, 2).flatten(2)

@@ -19,6 +19,7 @@ from typing import NoReturn
 
 import models
 from adapter.parallel import ModelShape, ParallelConfigError, PipelineSplit, check_sizes
+from adapter.kernels import context_parallel
 from models import checkpoint_dir
 
 
@@ -66,9 +67,31 @@ def _model(parser: argparse.ArgumentParser) -> None:
                    help="the kernel provider's fused cross entropy (default on CUDA, where it saves a host sync "
                         "and a pass over the logits)")
     g.add_argument("--no-cross-entropy-loss-fusion", action="store_false", dest="cross_entropy_loss_fusion")
+    _latent_attention(g)
+    g.add_argument("--mtp-num-layers", type=int,
+                   help="multi-token prediction layers after the decoder (megatron's MTP block; DeepSeek-V3: 1)")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="the weight of the MTP layers' mean loss beside the language-model loss")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                    default=on_cuda, help="weight gradients accumulate in a bf16 .grad first (the fusion, "
                                          "default on CUDA, writes them into the float32 main_grad directly)")
+
+
+def _latent_attention(g) -> None:
+    """Megatron-LM's multi-latent attention flags (MLATransformerConfig's fields of the same names); unset,
+    a named model's values, else Megatron-LM's defaults (``models.config.ModelConfig``'s)."""
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="DeepSeek's multi-latent attention (keys and values through a shared low-rank latent)")
+    for name, meaning in (("q-lora-rank", "the queries' low rank (default: none, one projection)"),
+                          ("kv-lora-rank", "the key/value latent's rank (default 32)"),
+                          ("qk-head-dim", "each query/key head's dimensions without RoPE (default 128)"),
+                          ("qk-pos-emb-head-dim", "each query/key head's RoPE dimensions (default 64)"),
+                          ("v-head-dim", "each value head's size (default 128)")):
+        g.add_argument(f"--{name}", type=int, help=meaning)
+    for name, meaning in (("rotary-scaling-factor", "MLA's YaRN RoPE scaling factor (default 1: plain RoPE)"),
+                          ("mscale", "MLA's YaRN mscale (default 1)"),
+                          ("mscale-all-dim", "MLA's YaRN mscale_all_dim (default 0)")):
+        g.add_argument(f"--{name}", type=float, help=meaning)
 
 
 def _on_cuda() -> bool:
@@ -300,6 +323,9 @@ def _checkpointing(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-ckpt-fully-parallel-save", action="store_false", dest="ckpt_fully_parallel_save")
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
                    help="the data-parallel replicas share the reading of a load and exchange what they read")
+    g.add_argument("--async-save", action="store_true",
+                   help="write each save in a background process while training goes on (megatron's asynchronous "
+                        "torch_dist save); it is published once every rank's writes are done")
     g.add_argument("--exit-interval", type=int, help="stop after the iteration divisible by this")
 
 
@@ -432,12 +458,13 @@ POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "conte
             "loss_scale_window", "recompute_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size",
             "moe_ffn_hidden_size", "moe_router_topk", "kv_channels", "exit_duration_in_mins",
             "moe_router_num_groups", "moe_router_group_topk", "decoder_first_pipeline_num_layers",
-            "decoder_last_pipeline_num_layers")
+            "decoder_last_pipeline_num_layers", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+            "v_head_dim", "mtp_num_layers")
 NOT_NEGATIVE = ("train_iters", "lr", "min_lr", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction",
                 "lr_warmup_init", "weight_decay", "clip_grad", "eval_iters", "num_workers", "hidden_dropout",
                 "attention_dropout", "init_method_std", "hysteresis", "min_loss_scale", "num_experts",
                 "moe_shared_expert_intermediate_size", "moe_z_loss_coeff", "moe_router_bias_update_rate",
-                "error_injection_rate", "manual_gc_interval")
+                "error_injection_rate", "manual_gc_interval", "mtp_loss_scaling_factor", "mscale", "mscale_all_dim")
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
@@ -539,6 +566,10 @@ def _check_context_parallel(args: argparse.Namespace) -> None:
         return
     _require(args.cp_comm_type in SUPPORTED_CP_COMM_TYPES,
              f"--cp-comm-type {args.cp_comm_type}: not supported by the adapter's CP attention: use p2p or a2a")
+    key, value = model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
+    _require(not model.multi_latent_attention or key == value or args.cp_comm_type != "p2p",
+             f"--context-parallel-size {cp} --cp-comm-type p2p with multi-latent attention's key heads of {key} and "
+             f"value heads of {value}: {context_parallel.RING_HEAD_SIZES}; use --cp-comm-type a2a")
     heads, groups = model.num_attention_heads // tp, model.num_query_groups // tp
     _require(args.cp_comm_type != "a2a" or (heads % cp == 0 and groups % cp == 0),
              f"--cp-comm-type a2a spreads each TP rank's {heads} attention heads and {groups} query groups over "
@@ -582,15 +613,19 @@ def _check_group_limited_routing(args: argparse.Namespace) -> None:
     """Megatron's group-limited top-k: the experts split into --moe-router-num-groups equal groups, each token
     picks --moe-router-group-topk of them and its top-k experts spread evenly over those."""
     groups, picked = args.moe_router_num_groups, args.moe_router_group_topk
-    if groups is None and picked is None:
+    model = args.model_config
+    if groups is None and picked is None:  # the named model's, which it has checked
+        args.moe_router_num_groups = model.moe_router_num_groups
+        args.moe_router_group_topk = model.moe_router_group_topk
         return
-    experts, topk = args.model_config.num_experts, args.model_config.moe_router_topk
+    experts, topk = model.num_experts, model.moe_router_topk
     _require(groups is not None and picked is not None,
              "--moe-router-num-groups and --moe-router-group-topk go together: give both")
     _require(experts % groups == 0, f"--moe-router-num-groups {groups} does not divide the {experts} experts")
     _require(picked <= groups and topk % picked == 0,
              f"--moe-router-group-topk {picked}: must be at most --moe-router-num-groups {groups} and divide "
              f"--moe-router-topk {topk}")
+    args.model_config = model.replace(moe_router_num_groups=groups, moe_router_group_topk=picked)
 
 
 def _check_load_balancing(args: argparse.Namespace) -> None:

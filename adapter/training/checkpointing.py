@@ -18,6 +18,11 @@ Across megatron-core releases: a checkpoint saved under 0.16.1 (its common state
 the optimizer state is saved per parameter, so the 0.18 rework of the gradient buffers does not reach it. One
 saved under 0.19 keeps its common state inside the torch_dist files, which 0.16-0.18 cannot read: --load
 refuses it before any rank starts (``models.checkpoint_dir.readable_here``).
+
+``--async-save`` (Megatron-LM's meaning): megatron's asynchronous torch_dist save. Each rank hands its shards to
+a forked writer process and training goes on; once every rank's writer is done (checked each iteration, one
+small all-reduce, as Megatron-LM checks), megatron's finalization writes the metadata and rank 0 publishes the
+checkpoint as a synchronous save would. The last one is waited for before the run ends.
 """
 
 from __future__ import annotations
@@ -110,7 +115,8 @@ def _same_rng_layout(saved: dict, args) -> bool:
 def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, consumed: dict) -> Path:
     """Write ``<save>/iter_<iteration>`` on every rank, then publish it; returns its path. Any rank's
     failure stops every rank with that error (``shared_outcome``), leaving the published checkpoints as
-    they were."""
+    they were. With --async-save the writing goes on in the background and the publishing waits for it
+    (``finalize_async_saves``)."""
     final = Path(args.save) / checkpoint_dir.checkpoint_name(iteration)
     partial, rank = checkpoint_dir.aside(final, checkpoint_dir.PARTIAL), torch.distributed.get_rank()
     with shared_outcome(f"saving iteration {iteration} to {args.save}", _timeout(args)):
@@ -120,12 +126,51 @@ def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, con
         torch.distributed.barrier()
         state = _sharded_state(args, model, optimizer, scheduler, iteration, consumed,
                                with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng)
+        if args.async_save:
+            _schedule_async_save(state, partial, iteration, args)
+            return final
         with checkpoint_writes.results_in_process():  # synchronous: no Manager process for the results
             # ends once every rank's files are written
             dist_checkpointing.save(state, str(partial), sharded_strategy=_save_strategy(args))
         if rank == 0:
             checkpoint_dir.publish(partial, iteration)
     return final
+
+
+_ASYNC_SAVES = None  # megatron's queue of this process's asynchronous saves, made at the first
+
+
+def _schedule_async_save(state: dict, partial: Path, iteration: int, args) -> None:
+    """Start megatron's asynchronous save of ``state`` into ``partial`` (its "mcore" strategy: a forked writer
+    per rank; Megatron-LM 0.19's default, nvidia-resiliency-ext's, is a CUDA library) and queue its
+    publication after megatron's own finalization."""
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    global _ASYNC_SAVES
+    if _ASYNC_SAVES is None:
+        _ASYNC_SAVES = AsyncCallsQueue()
+    # where megatron has several strategies to choose from
+    takes_strategy = "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
+    strategy = {"async_strategy": "mcore"} if takes_strategy else {}
+    request = dist_checkpointing.save(state, str(partial), sharded_strategy=_save_strategy(args),
+                                      async_sharded_save=True, **strategy)
+
+    def publish() -> None:
+        if torch.distributed.get_rank() == 0:
+            checkpoint_dir.publish(partial, iteration)
+        torch.distributed.barrier()
+
+    request.add_finalize_fn(publish)
+    _ASYNC_SAVES.schedule_async_request(request)
+
+
+def finalize_async_saves(blocking: bool = False) -> None:
+    """Publish the asynchronous saves every rank has finished writing (all of them, waiting, when
+    ``blocking``); every rank calls it at the same points. A writer's failure is raised on every rank."""
+    if _ASYNC_SAVES is not None:
+        _ASYNC_SAVES.maybe_finalize_async_calls(blocking=blocking)
 
 
 def _save_strategy(args):

@@ -42,5 +42,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
         data_iterator, vp_stage=get_attr_wrapped_model(model, "vp_stage"))
-    output = model(tokens, position_ids, attention_mask, labels=labels)
+    # megatron's MTP loss (which the model adds) masks as the language-model loss does
+    mtp = {"loss_mask": loss_mask} if get_args().model_config.mtp_num_layers else {}
+    output = model(tokens, position_ids, attention_mask, labels=labels, **mtp)
     return output, functools.partial(loss_func, loss_mask)

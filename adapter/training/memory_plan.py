@@ -81,9 +81,44 @@ Summed for GeLU, MHA, unfused attention with dropout and f = 4h: 10h + 8h + 5as 
 paper's formula. For Qwen2.5 with flash attention and no dropout: (4eh)/t + (eh(2 + 2g/a) + 4a + 3ef)/t;
 Qwen3 adds QK-norm and its attention width is ad: (4eh)/t + (e*ad(2 + 2g/a) + (ed + 4)(a + g) + 4a + 3ef)/t.
 Selective recompute (megatron-core's default ``core_attn``) checkpoints core attention: its inputs (Q and the
-unrepeated K, V) and output stay, the scores or the log-sum-exp go. Full recompute keeps each checkpointed
-group's input, eh (over t with sequence parallelism): ``uniform`` with N layers per group keeps ceil(l/N)
-inputs for a chunk of l layers, ``block`` keeps the first N layers' inputs and the rest whole.
+unrepeated K, V) and output stay, the scores or the log-sum-exp go. Its other modules
+(``--recompute-modules``, megatron's TransformerConfig.recompute_modules) drop what they recompute and keep
+their inputs, which other terms count: ``layernorm`` the two norms' outputs (2eh of the 4eh), ``moe_act``
+each routed token's FC2 input (ef_e of 3ef_e), ``mlp`` a dense MLP's, ``moe`` a whole MoE block's (router,
+experts, shared expert), ``shared_experts`` the shared expert's, ``mla_up_proj`` MLA's up-projected q, k, v
+(below). Full recompute keeps each checkpointed group's input, eh (over t with sequence parallelism):
+``uniform`` with N layers per group keeps ceil(l/N) inputs for a chunk of l layers, ``block`` keeps the
+first N layers' inputs and the rest whole.
+
+Multi-latent attention (DeepSeek-V3, Kimi-K2), as megatron-core's ``MLASelfAttention`` of the local spec
+builds it. Parameters: the down projections h x q_lora (the query latent) and h x (kv_lora + r) (the key/value
+latent and the shared RoPE key of r = ``qk_pos_emb_head_dim``), the up projections q_lora x a(d_qk + r) and
+kv_lora x a(d_qk + d_v), the output projection a*d_v x h, all split over TP (the down projections are
+column-parallel, their outputs gathered); the two latents' norms whole. Without a query LoRA one h x a(d_qk + r)
+projection. What it keeps per token (checked against torch's saved-tensor hooks in tests/test_memory_plan_mla.py):
+in the sequence-parallel region the latents' norm inputs and outputs (the up projections' inputs,
+2e*q_lora + 2e*kv_lora) and their fp32 reciprocal RMS (4 each); without sequence parallelism the key latent's
+norm input is a view of the gathered down projection's output, so its storage holds the RoPE key too (+ e*r).
+Split over TP: the up-projected query and key per head, d_qk + r each, the value, d_v (e*a(2(d_qk + r) + d_v)),
+core attention's output (e*a*d_v) and its log-sum-exp (4a) or, unfused, its softmax (e*a*s). Recomputing
+``mla_up_proj`` releases q, k and v after core attention and keeps the up projection's inputs, which with
+sequence parallelism include the gathered down projection's output under the RoPE key: e*(kv_lora + r) of
+every token on each TP rank. The release reaches what a flash kernel saved (q, k, v as given); the unfused
+path (the torch provider's attention) saves head-major copies of them, which stay (measured in the test).
+RoPE's cos / sin tables (4 x e x r per position, not per token) are left out.
+
+Multi-token prediction (DeepSeek-V3's MTP layer, megatron's MTP block) lives on the last stage, which then
+also builds the word embedding (the MTP layer embeds the next tokens; a V x h copy over TP beside the output
+layer). Its parameters: a decoder layer like the last, the projection 2h -> h (split over TP) and three norms
+(``ModelConfig.mtp_layer_parameters``). Per micro-batch, held once like the logits: the next tokens'
+embedding, the projection's input (2eh), its decoder layer and its final norm's input (4eh over t with
+sequence parallelism, plus the layer), or under full uniform recompute (megatron checkpoints each MTP layer
+whole) the embedding only; and its own logits, counted in ``logits``: the output layer's input (eh), the
+logits and the cross entropy's fp32 copy ((e + 4)V/t).
+
+Uneven pipeline splits (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``, or
+the embedding / loss counted as a layer): each stage holds its own layer count, and a pass holds that many
+layers; the plan takes them without virtual stages.
 
 Micro-batches in flight (megatron-core 0.16.1, ``pipeline_parallel/schedules.py``,
 ``get_pp_rank_microbatches``): pipeline rank r runs ``w`` warmup forward passes, then one more forward before
@@ -105,7 +140,7 @@ import os
 import sys
 import warnings
 
-from adapter.parallel import ParallelConfigError, check_sizes
+from adapter.parallel import ParallelConfigError, PipelineSplit, check_sizes
 from adapter.training.arguments import add_moe_model_arguments
 from models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, ModelConfigError
 
@@ -113,6 +148,9 @@ from models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, ModelCo
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE = (None, "selective", "full")
+# megatron-core's selective recompute modules (TransformerConfig.recompute_modules); gdn_norm_out is not
+# planned (its activations stay counted)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "gdn_norm_out")
 
 
 class PlanError(ValueError):
@@ -134,6 +172,7 @@ class StagePlan:
     optimizer: int
     activations: int
     logits: int
+    mtp_parameters: int = 0  # of them, the multi-token prediction layers' (and their word embedding's)
 
     @property
     def total(self) -> int:
@@ -165,6 +204,7 @@ class MemoryPlan:
     flash_attention: bool
     recompute: str | None
     stages: tuple[StagePlan, ...]
+    recompute_modules: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -192,6 +232,8 @@ class MemoryPlan:
                     "sequence parallel" if self.sequence_parallel else "no sequence parallel",
                     "flash attention" if self.flash_attention else "unfused attention",
                     f"{self.recompute} recompute" if self.recompute else "no recompute"]
+        if self.recompute == "selective":
+            settings[-1] += f" of {' '.join(self.recompute_modules)}"
         lines = [f"memory plan per device: {model_name or 'model'}, {layout}",
                  f"micro-batch {self.micro_batch_size} x seq {self.seq_length}, global batch "
                  f"{self.global_batch_size} = {self.num_microbatches} micro-batches per step",
@@ -201,6 +243,8 @@ class MemoryPlan:
                 ("parameters (M)", [f"{s.parameters / 1e6:.1f}" for s in self.stages])]
         if moe:
             rows.append(("of which experts (M)", [f"{s.expert_parameters / 1e6:.1f}" for s in self.stages]))
+        if self.model.mtp_num_layers:
+            rows.append(("of which MTP (M)", [f"{s.mtp_parameters / 1e6:.1f}" for s in self.stages]))
         rows.append(("in flight (passes x layers)",
                      [f"{s.passes_in_flight} x {s.layers_per_pass}" for s in self.stages]))
         rows += [(f"{name} (GiB)", [f"{s.gib()[name]:.2f}" for s in self.stages])
@@ -220,10 +264,26 @@ def _mixer_parameters(model: ModelConfig, mixer: str) -> tuple[int, int]:
     head, whole)."""
     if mixer == LINEAR_ATTENTION:
         return model.gated_delta_net_parameters() - model.linear_value_head_dim, model.linear_value_head_dim
+    if model.multi_latent_attention:
+        return _latent_attention_parameters(model)
     h, d, qkv = model.hidden_size, model.head_dim, model.qkv_rows
     qk_norms = 2 * (2 * d if model.normalization == "LayerNorm" else d) if model.qk_layernorm else 0
     # QKV: h -> (a + 2g)d rows; the output projection: the attention width ad -> h (ad = h unless kv_channels)
     return qkv * h + model.num_attention_heads * d * h + (qkv if model.add_qkv_bias else 0), qk_norms
+
+
+def _latent_attention_parameters(model: ModelConfig) -> tuple[int, int]:
+    """(split over TP, whole) parameters of multi-latent attention as megatron's local spec builds it: every
+    projection column- or row-parallel (the down projections too, their outputs gathered), the latents' norms
+    whole."""
+    h, a, rope = model.hidden_size, model.num_attention_heads, model.qk_pos_emb_head_dim
+    norm = (2 if model.normalization == "LayerNorm" else 1) if model.qk_layernorm else 0
+    kv = h * (model.kv_lora_rank + rope) + model.kv_lora_rank * a * (model.qk_head_dim + model.v_head_dim)
+    q_rows = a * (model.qk_head_dim + rope)
+    if model.q_lora_rank is None:
+        return h * q_rows + kv + a * model.v_head_dim * h, norm * model.kv_lora_rank
+    query = model.q_lora_rank * (h + q_rows)
+    return query + kv + a * model.v_head_dim * h, norm * (model.q_lora_rank + model.kv_lora_rank)
 
 
 def _layer_parameters(model: ModelConfig, moe: bool, mixer: str = FULL_ATTENTION) -> tuple[int, int, int]:
@@ -242,55 +302,127 @@ def _layer_parameters(model: ModelConfig, moe: bool, mixer: str = FULL_ATTENTION
     return split, whole, model.num_experts * model.mlp_parameters(model.expert_ffn_hidden_size)
 
 
-def stage_layers(model: ModelConfig, stage: int, pp: int, vpp: int | None = None) -> list[int]:
-    """The layers pipeline rank ``stage`` holds: one block of L/p layers, or with v virtual stages the
-    model chunks stage, stage + p, stage + 2p, ... of L/(pv) layers each."""
-    chunks = vpp or 1
-    per_chunk = model.num_layers // (pp * chunks)
-    return [layer for chunk in range(chunks) for layer in range((chunk * pp + stage) * per_chunk,
-                                                                  (chunk * pp + stage + 1) * per_chunk)]
+def stage_sizes(model: ModelConfig, pp: int, split: PipelineSplit = PipelineSplit()) -> list[int]:
+    """Each pipeline rank's decoder layers: L/p, or megatron's uneven split (the first / last stage's given
+    sizes and the rest evenly; or the embedding and the loss counted as a layer of the first / last stage)."""
+    if split.first is None and split.last is None:
+        counted = model.num_layers + split.embedding + split.loss
+        sizes = [counted // pp] * pp
+        sizes[0] -= split.embedding
+        sizes[-1] -= split.loss
+        return sizes
+    middle = pp - (split.first is not None) - (split.last is not None)
+    rest = model.num_layers - (split.first or 0) - (split.last or 0)
+    sizes = [rest // middle if middle else 0] * pp
+    sizes[0] = sizes[0] if split.first is None else split.first
+    sizes[-1] = sizes[-1] if split.last is None else split.last
+    return sizes
 
 
-def _stage_parameters(model: ModelConfig, stage: int, pp: int, vpp: int | None, tp: int,
-                      experts_split: int) -> tuple[int, int]:
-    """(all, routed experts') parameters on one device of pipeline rank ``stage``."""
+def stage_layers(model: ModelConfig, stage: int, pp: int, vpp: int | None = None,
+                 split: PipelineSplit = PipelineSplit()) -> list[int]:
+    """The layers pipeline rank ``stage`` holds: one block of its stage size, or with v virtual stages the
+    model chunks stage, stage + p, stage + 2p, ... of L/(pv) layers each (the plan takes virtual stages only
+    with the even split)."""
+    if vpp is None:
+        sizes = stage_sizes(model, pp, split)
+        return list(range(sum(sizes[:stage]), sum(sizes[:stage + 1])))
+    per_chunk = model.num_layers // (pp * vpp)
+    return [layer for chunk in range(vpp) for layer in range((chunk * pp + stage) * per_chunk,
+                                                               (chunk * pp + stage + 1) * per_chunk)]
+
+
+def _mtp_parameters(model: ModelConfig) -> tuple[int, int, int]:
+    """(split over TP, whole, experts) parameters of the MTP layers: each a decoder layer like the last one,
+    the projection of the embedding and hidden state (2h -> h, column-parallel) and three norms (of the
+    embedding, the hidden state, the output)."""
+    h, count = model.hidden_size, model.mtp_num_layers or 0
+    norm = 2 * h if model.normalization == "LayerNorm" else h
+    split, whole, experts = _layer_parameters(model, model.moe_layer_pattern()[-1], model.mixers()[-1])
+    return count * (split + 2 * h * h), count * (whole + 3 * norm), count * experts
+
+
+def _stage_parameters(model: ModelConfig, stage: int, pp: int, vpp: int | None, tp: int, experts_split: int,
+                      split: PipelineSplit = PipelineSplit()) -> tuple[int, int, int]:
+    """(all, routed experts', MTP layers') parameters on one device of pipeline rank ``stage``. The MTP
+    layers live on the last stage, which then builds the word embedding too (megatron's GPTModel: the MTP
+    layer embeds the next tokens) beside the output layer."""
     h, pattern, mixers = model.hidden_size, model.moe_layer_pattern(), model.mixers()
-    split = whole = experts = 0
-    for layer in stage_layers(model, stage, pp, vpp):
+    split_params = whole = experts = mtp = 0
+    for layer in stage_layers(model, stage, pp, vpp, split):
         layer_split, layer_whole, layer_experts = _layer_parameters(model, pattern[layer], mixers[layer])
-        split, whole, experts = split + layer_split, whole + layer_whole, experts + layer_experts
+        split_params, whole, experts = split_params + layer_split, whole + layer_whole, experts + layer_experts
     if stage == 0:
-        split += model.vocab_size * h
+        split_params += model.vocab_size * h
         whole += model.max_position_embeddings * h if model.position_embedding == "learned_absolute" else 0
     if stage == pp - 1:
         whole += 2 * h if model.normalization == "LayerNorm" else h
         # a tied output layer reuses the embedding on a single stage, and holds a copy of it on the last one
         if not model.tie_embeddings or pp > 1:
-            split += model.vocab_size * h
+            split_params += model.vocab_size * h
+        if model.mtp_num_layers:
+            mtp_split, mtp_whole, mtp_experts = _mtp_parameters(model)
+            mtp_split += model.vocab_size * h if pp > 1 else 0  # the MTP stage's own word embedding
+            mtp = mtp_split // tp + mtp_whole + mtp_experts // experts_split
+            split_params, whole, experts = split_params + mtp_split, whole + mtp_whole, experts + mtp_experts
     experts //= experts_split
-    return split // tp + whole + experts, experts
+    return split_params // tp + whole + experts, experts, mtp
 
 
-def _mlp_activations(model: ModelConfig, e: int, ffn: int | None) -> int:
+def _mlp_activations(model: ModelConfig, e: int, ffn: int | None, act_recomputed: bool = False) -> int:
     """What an MLP of FFN size ``ffn`` keeps per token it processes: fused SwiGLU its input (FC1's output, 2f)
-    and FC2's input (f), GeLU FC1's output and FC2's input."""
-    return (3 if model.activation == "swiglu" else 2) * e * ffn if ffn else 0
+    and FC2's input (f), GeLU FC1's output and FC2's input; with the activation recomputed (``moe_act``) only
+    FC1's output."""
+    width = 2 if model.activation == "swiglu" else 1
+    return (width + (0 if act_recomputed else 1)) * e * ffn if ffn else 0
 
 
-def _attention_activations(model: ModelConfig, e: int, seq_per_rank: int, flash_attention: bool, selective: bool,
+def _core_attention_scores(model: ModelConfig, e: int, seq_per_rank: int, flash_attention: bool,
                            attention_dropout: bool) -> float:
+    """What core attention keeps beside its inputs and output: flash attention's fp32 log-sum-exp, or the
+    unfused softmax output (and its dropout mask and result); recomputing ``core_attn`` drops it."""
+    a = model.num_attention_heads
+    if flash_attention:
+        return 4 * a
+    return e * a * seq_per_rank + ((1 + e) * a * seq_per_rank if attention_dropout else 0)
+
+
+def _attention_activations(model: ModelConfig, e: int, seq_per_rank: int, flash_attention: bool,
+                           recomputed: frozenset, attention_dropout: bool) -> float:
     """What an attention mixer keeps per token, all of it split over TP (module docstring)."""
     d, a, g = model.head_dim, model.num_attention_heads, model.num_query_groups
     # the QK-norms' inputs (un-normed Q and K) and their fp32 reciprocal RMS per head, outside core attention
     qk_norms = (e * d + 4) * (a + g) if model.qk_layernorm else 0
     # the output gate's projection and the gated output (the projection's input) beside the attention output
     gate = 2 * e * a * d if model.attention_output_gate else 0
-    if selective or flash_attention:
-        attention = e * (a * d + 2 * g * d) + e * a * d + (0 if selective else 4 * a)
+    if "core_attn" in recomputed:
+        return e * (a * d + 2 * g * d) + e * a * d + qk_norms + gate
+    # unfused attention repeats keys and values to every head before it saves them
+    inputs = e * (a * d + 2 * g * d) if flash_attention else 3 * e * a * d
+    scores = _core_attention_scores(model, e, seq_per_rank, flash_attention, attention_dropout)
+    return inputs + e * a * d + scores + qk_norms + gate
+
+
+def _latent_attention_activations(model: ModelConfig, e: int, seq_per_rank: int, tp: int, sequence_parallel: bool,
+                                  flash_attention: bool, recomputed: frozenset, attention_dropout: bool) -> float:
+    """What multi-latent attention keeps per token (module docstring), each term divided as it is split."""
+    a, rope, kv_rank = model.num_attention_heads, model.qk_pos_emb_head_dim, model.kv_lora_rank
+    q_rank = model.q_lora_rank or 0
+    # the latents' norm inputs (the key latent's is a view of the down projection's output with the RoPE key
+    # unless sequence parallelism scatters it apart), fp32 reciprocal RMS, and outputs (the up projections' inputs)
+    latents = e * (2 * q_rank + 2 * kv_rank + (0 if sequence_parallel else rope)) + (8 if q_rank else 4)
+    per_head = e * a * (2 * (model.qk_head_dim + rope) + model.v_head_dim)  # the up-projected q, k and v
+    if "mla_up_proj" in recomputed and flash_attention:
+        # the recomputed up projection releases q, k and v (which a flash kernel saved as given) and keeps its
+        # inputs: with sequence parallelism the RoPE key holds the gathered down projection's output, all its
+        # tokens on every TP rank
+        per_head, gathered = 0, e * (kv_rank + rope) if sequence_parallel else 0
     else:
-        scores = e * a * seq_per_rank + ((1 + e) * a * seq_per_rank if attention_dropout else 0)
-        attention = 3 * e * a * d + e * a * d + scores
-    return attention + qk_norms + gate
+        gathered = 0
+    core = 0 if "core_attn" in recomputed else _core_attention_scores(model, e, seq_per_rank, flash_attention,
+                                                                      attention_dropout)
+    output = e * a * model.v_head_dim  # core attention's output, the output projection's input
+    return latents / (tp if sequence_parallel else 1) + gathered + (per_head + output + core) / tp
 
 
 def _gated_delta_net_activations(model: ModelConfig, e: int) -> float:
@@ -304,22 +436,32 @@ def _gated_delta_net_activations(model: ModelConfig, e: int) -> float:
 
 
 def _activation_bytes_per_token(model: ModelConfig, *, moe: bool, mixer: str, act_bytes: int, seq_per_rank: int,
-                                tp: int, etp: int, sequence_parallel: bool, flash_attention: bool, selective: bool,
-                                hidden_dropout: bool, attention_dropout: bool) -> float:
-    """One layer's saved activations per token of a micro-batch, when the layer is not fully recomputed."""
+                                tp: int, etp: int, sequence_parallel: bool, flash_attention: bool,
+                                recomputed: frozenset, hidden_dropout: bool, attention_dropout: bool) -> float:
+    """One layer's saved activations per token of a micro-batch, when the layer is not fully recomputed;
+    ``recomputed``: megatron's selective recompute modules."""
     e, h = act_bytes, model.hidden_size
-    sequence_region = 4 * e * h + (2 * h if hidden_dropout else 0)
+    # each norm's input, and its output (the input of QKV or FC1) unless "layernorm" recomputes it
+    sequence_region = (2 if "layernorm" in recomputed else 4) * e * h + (2 * h if hidden_dropout else 0)
+    latent = 0.0
     if mixer == LINEAR_ATTENTION:
         mixing = _gated_delta_net_activations(model, e)
+    elif model.multi_latent_attention:
+        mixing, latent = 0, _latent_attention_activations(model, e, seq_per_rank, tp, sequence_parallel,
+                                                          flash_attention, recomputed, attention_dropout)
     else:
-        mixing = _attention_activations(model, e, seq_per_rank, flash_attention, selective, attention_dropout)
-    if moe:
+        mixing = _attention_activations(model, e, seq_per_rank, flash_attention, recomputed, attention_dropout)
+    if moe and "moe" not in recomputed:
         sequence_region += 8 * model.num_experts  # the router's fp32 logits and scores
-        routed = model.moe_router_topk * (e * h * etp + _mlp_activations(model, e, model.expert_ffn_hidden_size))
-        mlp = routed + _mlp_activations(model, e, model.moe_shared_expert_intermediate_size)
+        expert = _mlp_activations(model, e, model.expert_ffn_hidden_size, "moe_act" in recomputed)
+        mlp = model.moe_router_topk * (e * h * etp + expert)
+        if "shared_experts" not in recomputed:
+            mlp += _mlp_activations(model, e, model.moe_shared_expert_intermediate_size)
+    elif moe or "mlp" in recomputed:
+        mlp = 0  # recomputed whole from its input, the pre-MLP norm's output
     else:
         mlp = _mlp_activations(model, e, model.ffn_hidden_size)
-    return sequence_region / (tp if sequence_parallel else 1) + (mixing + mlp) / tp
+    return sequence_region / (tp if sequence_parallel else 1) + latent + (mixing + mlp) / tp
 
 
 def passes_in_flight(pp: int, vpp: int | None, rank: int, num_microbatches: int) -> int:
@@ -350,7 +492,8 @@ def _check_layout(world: int, *, model: ModelConfig, seq_length: int | None = No
 def _check_plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, dp: int, cp: int, ep: int, etp: int,
                 micro_batch_size: int, global_batch_size: int, seq_length: int, params_dtype: str,
                 sequence_parallel: bool, recompute: str | None, recompute_method: str,
-                recompute_num_layers: int) -> int:
+                recompute_num_layers: int, recompute_modules: tuple[str, ...],
+                split: PipelineSplit) -> int:
     """Refuse what megatron would; returns the number of micro-batches per step."""
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp), ("ep", ep), ("etp", etp),
                         ("micro_batch_size", micro_batch_size), ("global_batch_size", global_batch_size),
@@ -359,8 +502,17 @@ def _check_plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, dp: in
     _check(params_dtype in DTYPE_BYTES, f"params_dtype={params_dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     _check(recompute in RECOMPUTE, f"recompute={recompute!r}: use selective, full or None")
     _check(recompute_method in ("uniform", "block"), f"recompute_method={recompute_method!r}: use uniform or block")
+    unknown = sorted(set(recompute_modules) - set(RECOMPUTE_MODULES))
+    _check(not unknown, f"recompute modules {', '.join(unknown)}: megatron-core recomputes "
+                        f"{', '.join(RECOMPUTE_MODULES)}")
+    _check(vpp is None or split == PipelineSplit(), "virtual pipeline stages with an uneven pipeline split: the "
+                                                    "plan takes one of them; drop the virtual stages")
+    _check(not (model.mtp_num_layers and recompute == "full" and recompute_method == "uniform"
+                and recompute_num_layers != 1),
+           f"full uniform recompute of {recompute_num_layers} layers a group with MTP layers: megatron recomputes "
+           "MTP layers one at a time only; use --recompute-num-layers 1")
     _check_layout(tp * pp * cp * dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, model=model, seq_length=seq_length,
-                  sequence_parallel=sequence_parallel)
+                  sequence_parallel=sequence_parallel, split=split)
     per_step = micro_batch_size * dp
     _check(global_batch_size % per_step == 0,
            f"global batch {global_batch_size} is not divisible by micro batch {micro_batch_size} x DP {dp} = "
@@ -387,21 +539,24 @@ def plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None = None, dp: in
          etp: int | None = None, micro_batch_size: int, global_batch_size: int, seq_length: int,
          params_dtype: str = "bf16", distributed_optimizer: bool = True, sequence_parallel: bool = True,
          recompute: str | None = None, recompute_method: str = "uniform", recompute_num_layers: int = 1,
+         recompute_modules: tuple[str, ...] | None = None, split: PipelineSplit = PipelineSplit(),
          grad_reduce_in_fp32: bool = True, flash_attention: bool = True, hidden_dropout: float = 0.0,
          attention_dropout: float = 0.0) -> MemoryPlan:
     """The memory of one device per pipeline rank (see the module docstring for every term). ``ep`` and
-    ``etp`` (default: ``tp``) are a MoE model's expert parallel sizes.
+    ``etp`` (default: ``tp``) are a MoE model's expert parallel sizes; ``recompute_modules`` megatron's
+    selective recompute modules (default core_attn); ``split`` an uneven pipeline split.
 
     Raises ``ModelConfigError`` for a TP/PP/VPP/EP the model cannot be split into and ``PlanError`` for sizes or
     batches megatron would refuse."""
     etp, vpp = tp if etp is None else etp, None if vpp == 1 else vpp
     sequence_parallel = sequence_parallel and tp > 1
+    modules = tuple(recompute_modules or ("core_attn",)) if recompute == "selective" else ()
     num_microbatches = _check_plan(
         model, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, etp=etp, micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size, seq_length=seq_length, params_dtype=params_dtype,
         sequence_parallel=sequence_parallel, recompute=recompute, recompute_method=recompute_method,
-        recompute_num_layers=recompute_num_layers)
-    weight_bytes = DTYPE_BYTES[params_dtype]
+        recompute_num_layers=recompute_num_layers, recompute_modules=modules, split=split)
+    e = DTYPE_BYTES[params_dtype]
     grads_dtype = "fp32" if grad_reduce_in_fp32 or params_dtype == "fp32" else params_dtype
     optimizer_bytes = 8 if params_dtype == "fp32" else 12
     # the distributed optimizer shards the dense part over DP x CP, the experts over expert DP
@@ -410,34 +565,49 @@ def plan(model: ModelConfig, *, tp: int, pp: int, vpp: int | None = None, dp: in
     sequence_split = tp if sequence_parallel else 1
     kinds = list(zip(model.mixers(), model.moe_layer_pattern()))  # each layer's (token mixer, MoE?)
     layer_bytes = {(mixer, moe): tokens * _activation_bytes_per_token(
-        model, moe=moe, mixer=mixer, act_bytes=weight_bytes, seq_per_rank=seq_length // cp, tp=tp, etp=etp,
-        sequence_parallel=sequence_parallel, flash_attention=flash_attention, selective=recompute == "selective",
+        model, moe=moe, mixer=mixer, act_bytes=e, seq_per_rank=seq_length // cp, tp=tp, etp=etp,
+        sequence_parallel=sequence_parallel, flash_attention=flash_attention, recomputed=frozenset(modules),
         hidden_dropout=hidden_dropout > 0, attention_dropout=attention_dropout > 0) for mixer, moe in set(kinds)}
-    layers_per_pass = model.num_layers // (pp * (vpp or 1))
     # megatron's hybrid stack has two layers per model layer (mixer, MLP/MoE): recompute counts those
     stack_layers = 2 if model.layer_types else 1
-    logits = tokens * (2 * weight_bytes * model.hidden_size / sequence_split
-                       + (weight_bytes + 4) * model.vocab_size / tp)
+    hidden = tokens * e * model.hidden_size / sequence_split  # one hidden state of the micro-batch
+    logits = 2 * hidden + tokens * (e + 4) * model.vocab_size / tp
+    mtp_activations, mtp_logits = _mtp_activations(model, hidden, layer_bytes[kinds[-1]], logits,
+                                                    recompute == "full" and recompute_method == "uniform")
     stages = []
-    for stage in range(pp):
-        parameters, experts = _stage_parameters(model, stage, pp, vpp, tp, ep * etp)
-        pattern = [kinds[layer] for layer in stage_layers(model, stage, pp, vpp)]
+    for stage, size in enumerate(stage_sizes(model, pp, split) if vpp is None else [model.num_layers // pp] * pp):
+        parameters, experts, mtp = _stage_parameters(model, stage, pp, vpp, tp, ep * etp, split)
+        pattern = [kinds[layer] for layer in stage_layers(model, stage, pp, vpp, split)]
         mean_layer = sum(layer_bytes[kind] for kind in pattern) / len(pattern)
-        in_flight = passes_in_flight(pp, vpp, stage, num_microbatches)
-        pass_bytes = _pass_bytes(mean_layer / stack_layers, tokens * weight_bytes * model.hidden_size / sequence_split,
-                                 layers_per_pass * stack_layers, recompute, recompute_method, recompute_num_layers)
+        in_flight, layers_per_pass = passes_in_flight(pp, vpp, stage, num_microbatches), size // (vpp or 1)
+        pass_bytes = _pass_bytes(mean_layer / stack_layers, hidden, layers_per_pass * stack_layers, recompute,
+                                 recompute_method, recompute_num_layers)
+        last = stage == pp - 1
         stages.append(StagePlan(
-            stage=stage, layers=model.num_layers // pp, parameters=parameters, expert_parameters=experts,
-            passes_in_flight=in_flight, layers_per_pass=layers_per_pass, weights=parameters * weight_bytes,
+            stage=stage, layers=size, parameters=parameters, expert_parameters=experts,
+            passes_in_flight=in_flight, layers_per_pass=layers_per_pass, weights=parameters * e,
             grads=parameters * DTYPE_BYTES[grads_dtype],
             optimizer=(parameters - experts) * optimizer_bytes // shards + experts * optimizer_bytes // expert_shards,
-            activations=round(in_flight * pass_bytes), logits=round(logits) if stage == pp - 1 else 0))
+            activations=round(in_flight * pass_bytes + (mtp_activations if last else 0)),
+            logits=round(logits + mtp_logits) if last else 0, mtp_parameters=mtp))
     return MemoryPlan(model=model, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, etp=etp,
                       micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
                       seq_length=seq_length, num_microbatches=num_microbatches, params_dtype=params_dtype,
                       grads_dtype=grads_dtype, distributed_optimizer=distributed_optimizer,
                       sequence_parallel=sequence_parallel, flash_attention=flash_attention, recompute=recompute,
-                      stages=tuple(stages))
+                      stages=tuple(stages), recompute_modules=modules)
+
+
+def _mtp_activations(model: ModelConfig, hidden: float, layer: float, logits: float,
+                     recomputed: bool) -> tuple[float, float]:
+    """(activations, logits) of the MTP layers for one micro-batch, held on the last stage beside its own
+    logits: each layer keeps the next tokens' embedding, the concatenated input of its projection (two hidden
+    states), its decoder layer and its final norm's input, or, recomputed (full, uniform), only the
+    embedding (the decoder's output it also reads is the output layer's input already); and its own logits:
+    the output layer's input, the logits and the cross entropy's fp32 copy."""
+    count = model.mtp_num_layers or 0
+    kept = hidden if recomputed else 4 * hidden + layer
+    return count * kept, count * (logits - hidden)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -455,8 +625,12 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--{name}", type=kind)
     for switch in ("group-query-attention", "swiglu", "disable-bias-linear", "add-qkv-bias", "qk-layernorm",
                    "untie-embeddings-and-output-weights", "use-rotary-position-embeddings", "sequence-parallel",
-                   "use-distributed-optimizer", "use-flash-attn", "bf16", "fp16"):
+                   "use-distributed-optimizer", "use-flash-attn", "bf16", "fp16", "multi-latent-attention",
+                   "account-for-embedding-in-pipeline-split", "account-for-loss-in-pipeline-split"):
         parser.add_argument(f"--{switch}", action="store_true")
+    for name in ("q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim", "mtp-num-layers",
+                 "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers"):
+        parser.add_argument(f"--{name}", type=int)
     add_moe_model_arguments(parser)
     for name, default in (("tensor-model-parallel-size", 1), ("pipeline-model-parallel-size", 1),
                           ("context-parallel-size", 1), ("micro-batch-size", 1), ("expert-model-parallel-size", 1)):
@@ -469,6 +643,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--recompute-granularity", choices=["full", "selective"])
     parser.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     parser.add_argument("--recompute-num-layers", type=int, default=1)
+    parser.add_argument("--recompute-modules", nargs="+")
     return parser
 
 
@@ -497,6 +672,9 @@ def plan_from_args(argv: list[str]) -> tuple[MemoryPlan, str]:
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
     world = _world_size(args)
+    split = PipelineSplit(first=args.decoder_first_pipeline_num_layers, last=args.decoder_last_pipeline_num_layers,
+                          embedding=args.account_for_embedding_in_pipeline_split,
+                          loss=args.account_for_loss_in_pipeline_split)
     vpp = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage, per_chunk = model.num_layers // pp, args.num_layers_per_virtual_pipeline_stage
@@ -504,14 +682,15 @@ def plan_from_args(argv: list[str]) -> tuple[MemoryPlan, str]:
                f"{model.num_layers} layers over PP {pp} cannot be cut into virtual stages of {per_chunk} layers: "
                "choose a --num-layers-per-virtual-pipeline-stage dividing num_layers / PP")
         vpp = per_stage // per_chunk
-    dp = _check_layout(world, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, model=model)
+    dp = _check_layout(world, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, model=model, split=split)
     params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     result = plan(model, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, etp=etp, micro_batch_size=args.micro_batch_size,
                   global_batch_size=args.global_batch_size or args.micro_batch_size * dp,
                   seq_length=model.seq_length, params_dtype=params_dtype,
                   distributed_optimizer=args.use_distributed_optimizer, sequence_parallel=args.sequence_parallel,
                   recompute=args.recompute_granularity, recompute_method=args.recompute_method,
-                  recompute_num_layers=args.recompute_num_layers,
+                  recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules,
+                  split=split,
                   # the pretrain flow reduces 16-bit models' grads in fp32 (Megatron-LM does for bf16)
                   grad_reduce_in_fp32=True, flash_attention=args.use_flash_attn,
                   hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout)

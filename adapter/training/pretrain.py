@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
 import adapter
+from adapter.kernels import cuda_provider
 from adapter.training import checkpointing, global_vars, liveness, nonfinite
 from adapter.training.manual_gc import ManualGC
 from adapter.training.arguments import ArgumentError, fit_vocab, parse_args, refuse, validate_args
@@ -85,9 +86,7 @@ def _say_transformer_impl(args) -> None:
     """``--transformer-impl transformer_engine`` (Megatron-LM's default) without Transformer Engine: the
     adapter's layer spec runs, as with ``local``, and rank 0 says so once. Where TE is importable the CUDA
     provider's kernels are TE's, so the spelling means what it says."""
-    import importlib.util
-
-    if args.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+    if args.transformer_impl == "transformer_engine" and not cuda_provider.HAVE_TE:
         print("[adapter] --transformer-impl transformer_engine: Transformer Engine is not importable here; the "
               "adapter's layer spec runs with the kernel provider's kernels (as --transformer-impl local)", flush=True)
 
@@ -116,7 +115,14 @@ def transformer_config_overrides(args) -> dict:
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
-        **recompute, **_moe_overrides(args))
+        **recompute, **_moe_overrides(args), **_mtp_overrides(args))
+
+
+def _mtp_overrides(args) -> dict:
+    """The weight of the MTP loss (Megatron-LM's --mtp-loss-scaling-factor); nothing without MTP layers."""
+    if args.model_config.mtp_num_layers is None:
+        return {}
+    return {"mtp_loss_scaling_factor": args.mtp_loss_scaling_factor}
 
 
 # Megatron-LM's MoE training arguments that are TransformerConfig fields of the same name and meaning.
@@ -379,12 +385,16 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             with log.excluded(), parameters_synced(model):
                 checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
+        if args.async_save:
+            checkpointing.finalize_async_saves()  # publishes what every rank has written
         stopped = preemption.stop_reason()
         if stopped or (args.exit_interval and iteration % args.exit_interval == 0):
             break
     with parameters_synced(model):
         if args.save and (not args.save_interval or iteration % args.save_interval):
             checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler, consumed)
+        if args.async_save:
+            checkpointing.finalize_async_saves(blocking=True)
         if stopped:
             _say_stopped(iteration, stopped, args.save)
         elif do_test and args.eval_iters:

@@ -20,6 +20,7 @@ import time
 import torch
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from adapter import device
 from models.config import FULL_ATTENTION
@@ -29,9 +30,15 @@ def model_flops_per_token(model, seq_length: int) -> float:
     """Training FLOPs per token of ``model`` (a ModelConfig) at ``seq_length``: 6 x the matmul parameters a
     token passes through, plus each attention layer's scores and weighted sum over the whole sequence
     (12 x seq x width, s x s not halved for causality), plus each Gated DeltaNet layer's state work (per value
-    head the decay-and-correct update, the error and the readout, 2 dk dv FLOPs each, x 3 for training)."""
+    head the decay-and-correct update, the error and the readout, 2 dk dv FLOPs each, x 3 for training).
+    Multi-latent attention: its projections, and scores over the query/key head, the weighted sum over the value
+    head; each MTP layer: one more layer like the last, its 2h -> h projection and its own logits (as
+    Megatron-LM counts them)."""
     h, width = model.hidden_size, model.num_attention_heads * model.head_dim
-    attention = model.qkv_rows * h + width * h
+    attention, scores = model.qkv_rows * h + width * h, 2 * width
+    if model.multi_latent_attention:
+        attention = model.latent_attention_parameters()
+        scores = model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim)
     gdn_proj = model.gated_delta_net_parameters() - model.linear_value_head_dim  # no norm weight
     gdn_state = 3 * 3 * 2 * model.linear_key_head_dim * model.linear_value_head_dim * model.linear_num_value_heads
 
@@ -43,7 +50,10 @@ def model_flops_per_token(model, seq_length: int) -> float:
     full = sum(mixer == FULL_ATTENTION for mixer in model.mixers())
     linear = model.num_layers - full
     matmul_params = full * attention + linear * gdn_proj + mlps + model.vocab_size * h  # with the output layer
-    return 6 * matmul_params + 6 * 2 * full * seq_length * width + linear * gdn_state
+    mtp = model.mtp_num_layers or 0
+    last_mlp = moe if model.moe_layer_pattern()[-1] else mlp(model.ffn_hidden_size)
+    matmul_params += mtp * (attention + last_mlp + 2 * h * h + model.vocab_size * h)
+    return 6 * matmul_params + 6 * (full + mtp) * seq_length * scores + linear * gdn_state
 
 
 def aux_loss_names(args) -> list[str]:
@@ -83,13 +93,15 @@ class ExpertMetrics:
                                   device=device.current_device())
         self.totals: dict[str, torch.Tensor] = {}
         self.iterations = 0
+        # megatron's tracker holds the MTP layers' router losses after the decoder's (MoE layers like the last)
+        self.mtp = {"mtp_num_layers": config.mtp_num_layers} if config.mtp_num_layers else {}
         for chunk in model:
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):
                     module.register_forward_hook(self._count)
 
     def _count(self, router, inputs, output) -> None:
-        if router.training and torch.is_grad_enabled():
+        if router.training and torch.is_grad_enabled() and not getattr(router, "is_mtp_layer", False):
             routing_map = output[1]
             self.counts[router.layer_number - 1] += routing_map.sum(dim=0)
 
@@ -99,7 +111,8 @@ class ExpertMetrics:
         track_moe_metrics(
             loss_scale=1 / self.args.num_micro_batches, iteration=iteration, writer=writer,
             total_loss_dict=self.totals, per_layer_logging=self.args.moe_per_layer_logging, force_initialize=True,
-            track_names=self.names, num_layers=len(self.moe_layer_freq), moe_layer_freq=self.moe_layer_freq)
+            track_names=self.names, num_layers=len(self.moe_layer_freq), moe_layer_freq=self.moe_layer_freq,
+            **self.mtp)
 
     def log(self, iteration: int, writer) -> tuple[list[str], dict]:
         """At a log line, on every rank (the load is summed over all): the line's fields and the logged
@@ -187,6 +200,10 @@ class TrainingLog:
                                     * args.global_batch_size * args.seq_length)
         self.experts = (ExpertMetrics(args, model) if model is not None and args.model_config.num_experts is not None
                         else None)
+        # megatron's MTP losses ("mtp_1 loss", ...) summed over the iterations since the last line, as
+        # Megatron-LM's training_log has them; None without MTP layers
+        self._mtp: dict[str, torch.Tensor] | None = {} if args.model_config.mtp_num_layers else None
+        self._mtp_iterations = 0
 
     def started(self, clock: StartupClock) -> dict[str, float]:
         """After the first iteration: the launch's phases, printed by the rank that prints the log."""
@@ -242,12 +259,23 @@ class TrainingLog:
         self._nan += int(values.isnan().any(dim=0).sum())
         return dict(zip(names, values.mean(dim=1).tolist()))
 
+    def _mtp_means(self) -> dict[str, float]:
+        """Each MTP layer's loss, the mean over the iterations since the last line (last stage only)."""
+        if not self._mtp:
+            return {}
+        means = {name: total.item() / self._mtp_iterations for name, total in self._mtp.items()}
+        self._mtp, self._mtp_iterations = {}, 0
+        return means
+
     def step(self, iteration: int, consumed: int, lr: float, loss_scale, grad_norm) -> dict | None:
         """After each iteration: keeps the scalars, and every --log-interval writes them and the log line."""
         args = self.args
         self._scalars(iteration, lr, loss_scale, grad_norm)
         if self.experts is not None:
             self.experts.track(iteration, self.writer)
+        if self._mtp is not None:  # on every rank: it reduces over the data-parallel ranks of the last stage
+            MTPLossLoggingHelper.track_mtp_metrics(1 / args.num_micro_batches, iteration, self.writer, None, self._mtp)
+            self._mtp_iterations += 1
         if iteration % args.log_interval:
             return None
         if self.writer is not None:
@@ -255,7 +283,7 @@ class TrainingLog:
         loss_scale = float(loss_scale)
         expert_fields, expert_values = (self.experts.log(iteration, self.writer)
                                         if self.experts is not None else ([], {}))
-        means = self._loss_means()
+        means = {**self._loss_means(), **self._mtp_means()}
         device.synchronize()  # the iterations' work may still be queued: time it done
         elapsed = (time.perf_counter() - self._since) / args.log_interval
         self._since = time.perf_counter()
