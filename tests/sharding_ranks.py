@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import adapter
 import torch
+import torch.distributed.checkpoint
+from adapter import kernels
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -51,8 +54,8 @@ def _optimizer_bytes(optimizer) -> int:
     return sum(_local_bytes(t) for t in states)
 
 
-def train(run: Run, sharded: bool) -> dict:
-    """``run.steps`` iterations at TP ``run.tp``; Megatron-FSDP if ``sharded``, else DDP + distributed optimizer."""
+def _build(run: Run, sharded: bool):
+    """Seeded tiny GPT at TP ``run.tp``: in Megatron-FSDP if ``sharded``, else in DDP; its optimizer."""
     adapter.init_distributed()
     parallel_state.initialize_model_parallel(run.tp, 1)
     torch.manual_seed(run.seed)
@@ -72,10 +75,43 @@ def train(run: Run, sharded: bool) -> dict:
         OptimizerConfig(optimizer="adam", lr=run.lr, weight_decay=0.01, clip_grad=1.0,
                         use_distributed_optimizer=True), [chunk])
     config.grad_scale_func = optimizer.scale_loss
+    return flavor, chunk, optimizer
+
+
+def train(run: Run, sharded: bool) -> dict:
+    """``run.steps`` iterations at TP ``run.tp``; Megatron-FSDP if ``sharded``, else DDP + distributed optimizer."""
+    flavor, chunk, optimizer = _build(run, sharded)
     losses = [train_step(run, flavor, [chunk], optimizer, step)[0] for step in range(run.steps)]
     result = {"losses": losses, **_held_bytes(chunk, optimizer)}
     finish()
     return result
+
+
+def _fsdp_dtensor_state(chunk, optimizer, is_loading: bool) -> dict:
+    """The state dict Megatron-LM's fsdp_dtensor format saves and loads: the model's DTensors, the optimizer's
+    (one DTensor per parameter state), prepared for uneven shards by megatron_fsdp."""
+    state = {"model": chunk.state_dict_for_save_checkpoint()}
+    metadata = {"distrib_optim_sharding_type": "fsdp_dtensor", "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True,
+                "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
+    return preprocess_state_dict_for_uneven_dtensor(state)
+
+
+def train_from_checkpoint(run: Run, directory: str, start: int, stop: int) -> dict:
+    """Megatron-FSDP iterations ``start + 1 .. stop``, as Megatron-LM runs its fsdp_dtensor checkpoint: loaded
+    from ``directory`` first where ``start`` > 0, saved there at ``stop`` (torch's distributed checkpoint).
+    Returns {iteration: loss} and the kernel provider that ran them."""
+    flavor, chunk, optimizer = _build(run, True)
+    if start:
+        state = _fsdp_dtensor_state(chunk, optimizer, is_loading=True)
+        torch.distributed.checkpoint.load(state, checkpoint_id=directory)
+        chunk.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    losses = {step + 1: train_step(run, flavor, [chunk], optimizer, step)[0] for step in range(start, stop)}
+    torch.distributed.checkpoint.save(_fsdp_dtensor_state(chunk, optimizer, is_loading=False), checkpoint_id=directory)
+    finish()
+    return {"losses": losses, "kernels": kernels.current().__name__.rpartition(".")[2]}
 
 
 def _fsdp2_bytes(chunk, optimizer) -> dict:

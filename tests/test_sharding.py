@@ -1,7 +1,10 @@
 """Megatron-FSDP off CUDA, through megatron-core directly: the tiny GPT wrapped in megatron's
 FullyShardedDataParallel (``optim_grads_params``) at DP2 and TP2 x DP2 on the cpu backend trains the loss curve
 of DDP with the distributed optimizer (the reference), while each rank holds half the parameter and gradient
-bytes and the optimizer state the distributed optimizer holds (both shard it over DP)."""
+bytes and the optimizer state the distributed optimizer holds (both shard it over DP); its fsdp_dtensor
+checkpoint (megatron's state dicts, megatron_fsdp's uneven-DTensor preparation, torch's distributed checkpoint,
+as Megatron-LM saves and loads it) resumes the uninterrupted curve bit for bit, also with the npu kernel
+provider over the torch_npu double."""
 
 from __future__ import annotations
 
@@ -16,16 +19,7 @@ from adapter.cuda_only_features import RefusedSetting
 from scripts.train_tiny_gpt import Run
 from tests.conftest import DOUBLES
 from tests.distributed import run_ranks
-from tests.sharding_ranks import fsdp2_resume, train, train_fsdp2
-
-
-def test_a_megatron_fsdp_run_that_saves_is_refused_in_one_line_and_one_that_does_not_passes():
-    validate = sharding.refuse_unready_fsdp(lambda args: "validated")
-    with pytest.raises(RefusedSetting, match=r"^--use-megatron-fsdp with --save ckpt: saving a Megatron-FSDP "
-                                             r"checkpoint is not supported off CUDA yet .*--use-distributed-optimizer"):
-        validate(argparse.Namespace(use_megatron_fsdp=True, save="ckpt"))
-    assert validate(argparse.Namespace(use_megatron_fsdp=True, save=None)) == "validated"
-    assert validate(argparse.Namespace(use_megatron_fsdp=False, save="ckpt")) == "validated"
+from tests.sharding_ranks import fsdp2_resume, train, train_fsdp2, train_from_checkpoint
 
 
 def test_a_megatron_fsdp_run_without_einops_is_refused_in_one_line_naming_the_install(monkeypatch):
@@ -36,6 +30,8 @@ def test_a_megatron_fsdp_run_without_einops_is_refused_in_one_line_naming_the_in
     with pytest.raises(RefusedSetting, match=r"^--use-megatron-fsdp needs einops, .*: pip install einops"):
         validate(argparse.Namespace(use_megatron_fsdp=True, save=None))
     assert validate(argparse.Namespace(use_megatron_fsdp=False, save=None)) == "validated"
+    monkeypatch.undo()
+    assert validate(argparse.Namespace(use_megatron_fsdp=True, save="ckpt")) == "validated"  # it saves
 
 
 @pytest.mark.multiproc
@@ -52,10 +48,28 @@ def test_megatron_fsdp_trains_the_distributed_optimizer_curve_on_half_the_bytes(
         assert fsdp["optimizer_bytes"] <= ref["optimizer_bytes"] + 4096
 
 
-# torch FSDP2 through megatron (--use-torch-fsdp2): megatron's TorchFullyShardedDataParallel, its device mesh on
-# this backend's device type; on the cpu backend, and with the npu kernel provider over tests/doubles' torch_npu
+# the npu kernel provider on the CPU, over tests/doubles' torch_npu (as tests/test_pretrain.py runs it)
 NPU_DOUBLE = {"ADAPTER_BACKEND": "cpu", "ADAPTER_KERNELS": "npu", "PYTHONPATH": str(DOUBLES)}
 
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, env", [(1, None), (2, None), (1, NPU_DOUBLE)], ids=["dp2", "tp2-dp2", "dp2-npu-double"])
+def test_megatron_fsdp_resumes_its_fsdp_dtensor_checkpoint_on_the_uninterrupted_curve_exactly(tp, env, tmp_path):
+    """Saved at iteration 2, resumed and saved again at 4, resumed to 6: the uninterrupted run's losses, bit for
+    bit. At DP2 some parameters have an empty shard on one rank (torch's AdamW keeps no state for them); the
+    save must not wait forever on the rank that lacks it, and the second save must carry their step as the
+    other rank has it."""
+    run, directory = Run(tp=tp, steps=6), str(tmp_path / "fsdp_dtensor")
+    uninterrupted = run_ranks(2 * tp, train, run, True, env=env)[0]["losses"]
+    for start, stop in [(0, 2), (2, 4), (4, 6)]:
+        for rank in run_ranks(2 * tp, train_from_checkpoint, run, directory, start, stop, env=env):
+            assert rank["losses"] == {i: uninterrupted[i - 1] for i in range(start + 1, stop + 1)}
+            assert rank["kernels"] == ("npu_provider" if env else "torch_provider")
+
+
+# torch FSDP2 through megatron (--use-torch-fsdp2): megatron's TorchFullyShardedDataParallel, its device mesh on
+# this backend's device type; on the cpu backend, and with the npu kernel provider over the double
 
 @pytest.mark.multiproc
 @pytest.mark.slow
@@ -101,3 +115,30 @@ def test_megatron_lm_s_fsdp2_assertions_are_one_line_for_the_job_and_others_pass
         validate(argparse.Namespace(use_torch_fsdp2=False, untie_embeddings_and_output_weights=False, seq_length=64))
     assert validate(argparse.Namespace(use_torch_fsdp2=True, untie_embeddings_and_output_weights=True,
                                        seq_length=64)) == "validated"
+
+
+# ---- Megatron-LM's own pretrain_gpt.py (needs the checkout) ----
+
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                 "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor", "--train-iters", "6"]
+
+
+@pytest.mark.megatron_lm
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_lm_saves_megatron_fsdp_and_resumes_on_the_uninterrupted_curve(tp, tmp_path):
+    """Megatron-LM's flow at DP2 (and TP2 x DP2), 6 iterations saving every 2, then a run resumed from its
+    checkpoint of 2: the uninterrupted losses at 3, 5 and 6 (Megatron-LM logs the mean of the first two
+    iterations after a restart as the second). Without --swiglu: Megatron-LM's fsdp_dtensor save of a SwiGLU
+    model fails on every backend (``handle_swiglu_in_state_dict`` asks the unwrapped model for
+    ``module.module.<key>``: NVIDIA/Megatron-LM issues 2035 and 5265)."""
+    from tests.test_megatron_lm import _checkpoint_at, _losses, _run
+    from tests.test_megatron_lm_recipes import TINY
+
+    flags = [*(arg for arg in TINY if arg != "--swiglu"), *MEGATRON_FSDP, "--tensor-model-parallel-size", str(tp)]
+    whole = _losses(_run(tmp_path, "whole", 2 * tp, [*flags, "--save", "saved", "--save-interval", "2"]))
+    load = _checkpoint_at(tmp_path / "saved", 2, tmp_path / "at-2")
+    resumed = _losses(_run(tmp_path, "resumed", 2 * tp, [*flags, "--load", str(load)]))
+    assert sorted(whole) == [1, 2, 3, 4, 5, 6] and sorted(resumed) == [3, 4, 5, 6]
+    assert [resumed[i] for i in (3, 5, 6)] == [whole[i] for i in (3, 5, 6)]
