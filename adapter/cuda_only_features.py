@@ -67,10 +67,6 @@ FEATURES = (
             "parameter groups on CUDA graphs and CUDA memory pools; megatron's FullyShardedDataParallel "
             "(--use-megatron-fsdp) runs on every backend",
             ("megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard:fully_shard_model",)),
-    Feature("torch FSDP2 through megatron", ("use_torch_fsdp2",),
-            ("megatron.core.distributed.torch_fully_sharded_data_parallel",),
-            "megatron builds its device mesh on 'cuda'",
-            ("megatron.core.distributed.torch_fully_sharded_data_parallel:TorchFullyShardedDataParallel.__init__",)),
     Feature("NCCL user buffers", ("nccl_ub",), ("megatron.core.nccl_allocator",),
             "buffers are registered with NCCL from CUDA memory pools", library="NCCL",
             instead="drop --use-nccl-ub (the collectives then use the backend's own buffers)"),

@@ -8,6 +8,11 @@ megatron's modules see is this stand-in, which builds torch's own mesh on this b
 Everything else of Megatron-FSDP (its buffers, streams and events) is answered by the CUDA routing. Its
 fsdp_dtensor checkpoint needs every rank's optimizer state to name the same parameters, which torch's AdamW
 (megatron's Adam without TE) does not do for empty shards: ``every_shard_in_optimizer_state``.
+
+torch FSDP2's torch_dist checkpoint needs two fixes that are not about the device (so they apply on every
+backend): megatron matches optimizer state to the model's sharded tensors by the id of each parameter's
+local shard, which torch 2.13 no longer hands out (``local_shard_ids``), and Megatron-LM's in-place load for
+FSDP2 leaves torch Adam's step behind (``fsdp2_resumes_adam_step``).
 """
 
 from __future__ import annotations
@@ -124,5 +129,77 @@ def refuse_unready_fsdp(validate_args):
             raise RefusedSetting("--use-megatron-fsdp needs einops, which is not installed (megatron-core does not "
                                  "install it): pip install einops, or megatron-device-adapter[fsdp]")
         return validate_args(args, *rest, **kwargs)
+
+    return validate
+
+
+def local_shard_ids(optim_params_iter) -> dict[int, int]:
+    """megatron's ``get_optim_param_to_id_map`` for torch FSDP2's parameters: the id of each parameter's
+    local shard (``DTensor._local_tensor``, which the model's sharded state dict holds) -> its optimizer
+    index. megatron takes ``to_local()`` under no_grad, which was that tensor until torch made ``to_local()``
+    of a ``Parameter(DTensor)`` a fresh view (pytorch gh-166156, in torch 2.13): then no id matches and the
+    first save stops with "Param id 0 does not match any model sharded param", on every device."""
+    mapping = {}
+    for index, param in enumerate(optim_params_iter):
+        mapping.setdefault(id(getattr(param, "_local_tensor", param)), index)
+    return mapping
+
+
+def fsdp2_resumes_adam_step(load_checkpoint):
+    """Megatron-LM's ``load_checkpoint`` with torch FSDP2 and torch_dist loads the model and optimizer tensors
+    in place (``skip_load_to_model_and_opt``) and so never calls ``optimizer.load_state_dict``, which is what
+    puts the optimizer's step (saved once, as ``common_step``) back into each parameter's state. torch's Adam
+    (the optimizer wherever Transformer Engine's FusedAdam is not, which keeps its step per group) then finds
+    no ``step`` at the first resumed iteration (KeyError). The saved step is read back from the checkpoint's
+    common state and restored where the state lacks it."""
+
+    @functools.wraps(load_checkpoint)
+    def load(ddp_model, optimizer, opt_param_scheduler, load_arg="load", *args, **kwargs):
+        loaded = load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)
+        if kwargs.get("skip_load_to_model_and_opt") and optimizer is not None and loaded[0] > 0:
+            _restore_saved_step(load_checkpoint.__module__, load_arg, loaded[0], optimizer)
+        return loaded
+
+    return load
+
+
+def _restore_saved_step(checkpointing_module: str, load_arg: str, iteration: int, optimizer) -> None:
+    from megatron.training import get_args
+
+    checkpointing = importlib.import_module(checkpointing_module)
+    restore_saved_step(checkpointing.get_checkpoint_name(getattr(get_args(), load_arg), iteration,
+                                                         return_base_dir=True), optimizer)
+
+
+def restore_saved_step(directory, optimizer) -> None:
+    """Put the step of the torch_dist checkpoint in ``directory`` into each parameter's state of
+    ``optimizer`` (a megatron optimizer, chained or not) that lacks one, as its ``load_state_dict`` would."""
+    from megatron.core import dist_checkpointing
+
+    saved = dist_checkpointing.load_common_state_dict(directory).get("optimizer", {})
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [saved] if len(inner) == 1 else [saved.get(i, {}) for i in range(len(inner))]
+    for part, state in zip(inner, states):
+        state = state.get("optimizer", state)  # the mixed-precision optimizers nest torch's state dict
+        step = state.get("state", {}).get("common_step")
+        torch_state = getattr(getattr(part, "optimizer", None), "state", {})
+        if step is not None and any("step" not in s for s in torch_state.values()):
+            part._restore_common_per_param_step({"state": torch_state}, step)
+
+
+def torch_fsdp2_requirements_in_one_line(validate_args):
+    """Megatron-LM's ``validate_args`` asserts what torch FSDP2 needs (untied embedding and output weights,
+    torch_dist or torch_dcp checkpoints, no distributed optimizer, no pipeline or expert parallelism, no
+    fp16): a traceback on every rank. With ``--use-torch-fsdp2`` its FSDP assertions are said once for the
+    job instead, in Megatron-LM's own words (``adapter.run`` prints a RefusedSetting from rank 0)."""
+
+    @functools.wraps(validate_args)
+    def validate(args, *rest, **kwargs):
+        try:
+            return validate_args(args, *rest, **kwargs)
+        except AssertionError as exc:
+            if getattr(args, "use_torch_fsdp2", False) and "fsdp" in str(exc).lower():
+                raise RefusedSetting(f"{exc} (Megatron-LM's check)") from None
+            raise
 
     return validate

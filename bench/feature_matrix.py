@@ -116,7 +116,7 @@ FEATURES = (
         "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], nproc=4),
     _f("Megatron-FSDP", ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
                          "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]),
-    _f("torch FSDP2", ["--use-torch-fsdp2"]),
+    _f("torch FSDP2", ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]),  # validate_args asks it
     _f("optimizer CPU offload", ["--use-distributed-optimizer", "--optimizer-cpu-offload",
                                  "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "1.0"]),
     _f("fine-grained activation offloading", ["--fine-grained-activation-offloading"]),

@@ -72,6 +72,8 @@ PATCHED = {
         "megatron.core.distributed.fsdp.mcore_fsdp_adapter:DeviceMesh",
     "megatron.core.transformer.fsdp_dtensor_checkpoint:validate_loaded_state_dict 'cuda'":
         "megatron.core.transformer.fsdp_dtensor_checkpoint:DeviceMesh",
+    "megatron.core.distributed.torch_fully_sharded_data_parallel:TorchFullyShardedDataParallel.__init__ 'cuda'":
+        "megatron.core.distributed.torch_fully_sharded_data_parallel:DeviceMesh",
     "megatron.core.dist_checkpointing.exchange_utils:_get_empty_tensor_for_exchange 'cuda'":
         "megatron.core.dist_checkpointing.mapping:ShardedTensor.init_data",
     # megatron.training.utils became a package in 0.18; the patch rebinds every copy of the function

@@ -1,14 +1,15 @@
 """Rank functions of the sharding tests: megatron-core's tiny GPT (scripts/train_tiny_gpt.py's model, data and
-train step) wrapped in megatron's FullyShardedDataParallel (Megatron-FSDP, ``optim_grads_params``) or in DDP
-with the distributed optimizer, the reference; each rank reports its losses and the bytes it holds."""
+train step) wrapped in megatron's FullyShardedDataParallel (Megatron-FSDP, ``optim_grads_params``), in its
+TorchFullyShardedDataParallel (torch FSDP2), or in DDP with the distributed optimizer, the reference; each rank
+reports its losses and the bytes it holds."""
 
 from __future__ import annotations
 
 import adapter
 import torch
-from adapter import kernels
 import torch.distributed.checkpoint
-from megatron.core import parallel_state
+from adapter import kernels
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
@@ -17,6 +18,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 import models
+from adapter import sharding
 from models.provider import build_model, transformer_config
 from scripts.train_tiny_gpt import Run, finish, train_step
 
@@ -41,10 +43,15 @@ def _held_bytes(chunk, optimizer) -> dict:
     else:
         params = sum(_local_bytes(p) for p in chunk.module.parameters())
         grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in chunk.buffers)
+    return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": _optimizer_bytes(optimizer)}
+
+
+def _optimizer_bytes(optimizer) -> int:
+    """This rank's part of the optimizer's state tensors (local shards where they are DTensors)."""
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     states = [t for opt in inner for state in opt.optimizer.state.values() for t in state.values()
               if torch.is_tensor(t) and t.dim() > 0]
-    return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": sum(_local_bytes(t) for t in states)}
+    return sum(_local_bytes(t) for t in states)
 
 
 def _build(run: Run, sharded: bool):
@@ -105,3 +112,72 @@ def train_from_checkpoint(run: Run, directory: str, start: int, stop: int) -> di
     torch.distributed.checkpoint.save(_fsdp_dtensor_state(chunk, optimizer, is_loading=False), checkpoint_id=directory)
     finish()
     return {"losses": losses, "kernels": kernels.current().__name__.rpartition(".")[2]}
+
+
+def _fsdp2_bytes(chunk, optimizer) -> dict:
+    """Bytes this rank keeps between steps under torch FSDP2: each parameter's and gradient's local shard
+    (DTensors, resharded after backward) and the optimizer's state (DTensors like the parameters)."""
+    params = list(chunk.module.parameters())
+    return {"param_bytes": sum(_local_bytes(p) for p in params),
+            "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer_bytes": _optimizer_bytes(optimizer)}
+
+
+def _build_fsdp2(run: Run, seed: int, bf16: bool = False):
+    """The tiny GPT wrapped in megatron's TorchFullyShardedDataParallel (torch's fully_shard over the DP
+    group) with megatron's optimizer without the distributed one, as Megatron-LM runs ``--use-torch-fsdp2``
+    (it refuses the distributed optimizer with it), on the groups that exist; in ``bf16`` as ``--bf16``:
+    Float16Module inside, megatron's mixed-precision optimizer with fp32 main parameters."""
+    from megatron.core.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    flavor = models.get(run.flavor)
+    # the spec build_model uses; megatron's wrapper then shards whole layers, not their ColumnParallelLinears
+    config = transformer_config(flavor, transformer_impl="local", bf16=bf16)
+    model = Float16Module(config, build_model(flavor, config)) if bf16 else build_model(flavor, config)
+    chunk = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), model)
+    config.no_sync_func = chunk.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=run.lr, weight_decay=0.01, clip_grad=1.0, bf16=bf16), [chunk])
+    config.grad_scale_func = optimizer.scale_loss
+    return flavor, chunk, optimizer
+
+
+def train_fsdp2(run: Run) -> dict:
+    """``run.steps`` iterations at TP ``run.tp`` under torch FSDP2 through megatron."""
+    adapter.init_distributed()
+    parallel_state.initialize_model_parallel(run.tp, 1)
+    flavor, chunk, optimizer = _build_fsdp2(run, run.seed)
+    losses = [train_step(run, flavor, [chunk], optimizer, step)[0] for step in range(run.steps)]
+    result = {"losses": losses, **_fsdp2_bytes(chunk, optimizer)}
+    finish()
+    return result
+
+
+def _fsdp2_state(chunk, optimizer, is_loading: bool = False) -> dict:
+    model = chunk.sharded_state_dict()
+    return {"model": model, "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading)}
+
+
+def fsdp2_resume(run: Run, directory: str, at: int, bf16: bool = False) -> dict:
+    """Megatron-LM's torch_dist path for FSDP2 through megatron-core: train ``run.steps`` iterations saving
+    model and optimizer after ``at``; a model and optimizer of another seed then load that checkpoint in
+    place (as Megatron-LM's ``load_checkpoint`` does with FSDP2), get the saved step back, and train on.
+    Returns the losses after ``at`` of both."""
+    adapter.init_distributed()
+    parallel_state.initialize_model_parallel(run.tp, 1)
+    flavor, chunk, optimizer = _build_fsdp2(run, run.seed, bf16)
+    losses = []
+    for step in range(run.steps):
+        losses.append(train_step(run, flavor, [chunk], optimizer, step)[0])
+        if step + 1 == at:
+            dist_checkpointing.save(_fsdp2_state(chunk, optimizer), directory)
+    _, fresh, fresh_optimizer = _build_fsdp2(run, run.seed + 1, bf16)
+    dist_checkpointing.load(_fsdp2_state(fresh, fresh_optimizer, is_loading=True), directory)
+    sharding.restore_saved_step(directory, fresh_optimizer)
+    resumed = [train_step(run, flavor, [fresh], fresh_optimizer, step)[0] for step in range(at, run.steps)]
+    finish()
+    return {"uninterrupted": losses[at:], "resumed": resumed}

@@ -17,8 +17,8 @@ TRANSFORMER = [("enable_cuda_graph", True), ("external_cuda_graph", True), ("cud
                ("fine_grained_activation_offloading", True), ("symmetric_ar_type", "two_shot"),
                ("use_inference_optimized_layers", True), ("tp_comm_overlap", True),
                ("moe_token_dispatcher_type", "flex")]
-DDP = [("nccl_ub", True)]  # Megatron-FSDP runs off CUDA: tests/test_sharding.py
-ARGS_ONLY = [("use_torch_fsdp2", True), ("refit_method", "nvshmem"), ("record_memory_history", True),
+DDP = [("nccl_ub", True)]  # Megatron-FSDP and torch FSDP2 run off CUDA: tests/test_sharding.py
+ARGS_ONLY = [("refit_method", "nvshmem"), ("record_memory_history", True),
              ("profile", True), ("optimizer_cuda_graph", True)]
 
 
@@ -63,10 +63,10 @@ def test_defaults_and_the_ways_that_run_off_cuda_are_not_refused():
 
 
 def test_the_classes_that_are_the_feature_refuse_construction():
-    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
-    with pytest.raises(CudaOnlyFeatureError, match=r"^TorchFullyShardedDataParallel\(\.\.\.\): torch FSDP2"):
-        TorchFullyShardedDataParallel(config=None, ddp_config=None, module=None)
+    with pytest.raises(CudaOnlyFeatureError, match=r"^DynamicInferenceContext\(\.\.\.\): the dynamic inference"):
+        DynamicInferenceContext(None)
 
 
 def test_nvshmem_refit_is_refused_and_gloo_passes():
