@@ -30,7 +30,7 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
-from adapter import backend, device
+from adapter import backend, device, host_memory
 
 # torch functions that take a ``device=`` keyword and appear with a literal CUDA device in megatron.
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn",
@@ -192,7 +192,7 @@ _TORCH_PACKAGES = ("torch.", "adapter.torch_view")
 
 
 def _on_this_device(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == backend.current().device_type
+    return tensor.device.type == backend.current().device_type and not host_memory.is_host(tensor)
 
 
 def _cuda(func, args, kwargs):
@@ -221,7 +221,7 @@ def _pin_memory(func, args, kwargs):
     where an accelerator exists to pin it for."""
     if backend.current().is_accelerator:
         return func(*args, **kwargs)
-    return args[0].clone(memory_format=torch.preserve_format)
+    return host_memory.pinned(args[0].clone(memory_format=torch.preserve_format))
 
 
 _ANSWERS = {torch.Tensor.cuda: _cuda, torch.Tensor.to: _to, torch.Tensor.type: _type,
@@ -269,6 +269,7 @@ class CudaCalls(TorchFunctionMode):
             kwargs["device"] = route_device(kwargs["device"])
         if kwargs.get("pin_memory") and not backend.current().is_accelerator:
             kwargs["pin_memory"] = False  # no accelerator to pin for: ordinary host memory
+            return host_memory.pinned(func(*args, **kwargs))
         return func(*args, **kwargs)
 
 

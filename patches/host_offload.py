@@ -5,13 +5,15 @@ them apart from the rest by ``is_cuda``. On the cpu backend every tensor already
 is this backend's device, so a host copy cannot be told apart: it lands with the device parameters, its
 updates are never copied back, and training silently diverges from the same optimizer run without
 offloading. Refused where it is configured (``OptimizerConfig``) and where it is built, with the fix.
-On npu and cuda offloading is real and nothing changes.
+On npu and cuda offloading is real and nothing changes. Under the host stand-in (``adapter.host_memory``,
+for tests) host copies are told apart as on an NPU, and megatron's offloading runs as written.
 """
 
 from __future__ import annotations
 
 import functools
 
+from adapter import host_memory
 from adapter.cuda_only_features import RefusedSetting
 
 _OPTIMIZER = "megatron.core.optimizer"
@@ -34,7 +36,7 @@ def refuse_offloading_config(post_init):
 
     @functools.wraps(post_init)
     def checked(config, *args, **kwargs):
-        if config.optimizer_cpu_offload and config.optimizer_offload_fraction > 0:
+        if config.optimizer_cpu_offload and config.optimizer_offload_fraction > 0 and not host_memory.stand_in():
             raise _refusal(f"optimizer_cpu_offload=True with optimizer_offload_fraction="
                            f"{config.optimizer_offload_fraction!r}")
         return post_init(config, *args, **kwargs)
@@ -47,7 +49,7 @@ def refuse_offloading_optimizer(init):
 
     @functools.wraps(init)
     def checked(self, params, offload_fraction=0.5, *args, **kwargs):
-        if offload_fraction > 0:
+        if offload_fraction > 0 and not host_memory.stand_in():
             raise _refusal(f"HybridDeviceOptimizer(offload_fraction={offload_fraction!r})")
         return init(self, params, offload_fraction, *args, **kwargs)
 
