@@ -224,8 +224,14 @@ def _pin_memory(func, args, kwargs):
     return host_memory.pinned(args[0].clone(memory_format=torch.preserve_format))
 
 
+def _record_stream(func, args, kwargs):
+    """Nothing to tie without an accelerator: the CPU's one stream runs in program order (torch has no CPU
+    kernel for ``record_stream``)."""
+    return func(*args, **kwargs) if backend.current().is_accelerator else None
+
+
 _ANSWERS = {torch.Tensor.cuda: _cuda, torch.Tensor.to: _to, torch.Tensor.type: _type,
-            torch.Tensor.pin_memory: _pin_memory}
+            torch.Tensor.pin_memory: _pin_memory, torch.Tensor.record_stream: _record_stream}
 _ROUTED_KEYWORDS = ("device", "pin_memory")
 
 
@@ -243,7 +249,8 @@ class CudaCalls(TorchFunctionMode):
     ``t.cuda()`` and ``model.cuda()`` move to this backend's device, ``t.to("cuda")`` and ``device="cuda"``
     are routed, ``t.is_cuda`` says whether ``t`` is on this backend's device, ``t.type()`` gives the CUDA
     type name there (megatron dispatches on ``'torch.cuda.FloatTensor'``); without an accelerator, pinned
-    memory (``t.pin_memory()``, ``pin_memory=True``) is ordinary host memory. Calls from any other module pass
+    memory (``t.pin_memory()``, ``pin_memory=True``) is ordinary host memory and ``t.record_stream(s)`` does
+    nothing. Calls from any other module pass
     through as written, so the mode answers for no code it was not asked to: megatron's own functions
     are each routed by their own rule, not by a caller's mode.
 
