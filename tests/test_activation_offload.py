@@ -38,3 +38,20 @@ def test_offloading_activations_trains_the_curve_of_the_run_without_it(tp, kerne
         assert len(off["losses"]) == 10
         assert max(abs(a - b) for a, b in zip(ref["losses"], off["losses"])) <= 1e-5
         assert off["offloaded_bytes"] > 0 and ref["offloaded_bytes"] == 0
+
+
+def test_megatron_lm_te_only_check_is_answered_without_transformer_engine():
+    """Megatron-LM's validate_args asserts TE's spec for the flag; without TE the local spec runs it, so the
+    check sees the flag off for the call and the flag is back on after."""
+    import argparse
+
+    from patches.activation_offload import offloading_without_transformer_engine
+
+    def megatron_lm_check(args):  # arguments.py, core_v0.19.0
+        assert not args.fine_grained_activation_offloading or args.transformer_impl == "transformer_engine"
+        return "validated"
+
+    validate = offloading_without_transformer_engine(megatron_lm_check)
+    args = argparse.Namespace(fine_grained_activation_offloading=True, transformer_impl="local",
+                              offload_modules=["core_attn"], rank=1)
+    assert validate(args) == "validated" and args.fine_grained_activation_offloading
