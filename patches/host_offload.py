@@ -44,6 +44,25 @@ def refuse_offloading_config(post_init):
     return checked
 
 
+def refuse_offloading_float32(post_init):
+    """``OptimizerConfig.__post_init__`` on every backend: offloading with float32 parameters is refused in one
+    line. megatron's distributed optimizer hands its HybridDeviceOptimizer float32 parameters as views of the
+    model's (``model_param.view(-1)[range]``), and torch's optimizer refuses them ("can't optimize a non-leaf
+    Tensor", a traceback on every rank, on every device); bf16 and fp16 parameters reach it as detached
+    shards."""
+
+    @functools.wraps(post_init)
+    def checked(config, *args, **kwargs):
+        if config.optimizer_cpu_offload and config.optimizer_offload_fraction > 0 and not (config.bf16 or config.fp16):
+            raise HostOffloadError(
+                f"optimizer_cpu_offload=True with float32 parameters (optimizer_offload_fraction="
+                f"{config.optimizer_offload_fraction!r}): megatron's HybridDeviceOptimizer takes bf16 or fp16 "
+                "parameters (float32 ones reach it as views, which torch's optimizers refuse): add --bf16 (or --fp16)")
+        return post_init(config, *args, **kwargs)
+
+    return checked
+
+
 def refuse_offloading_optimizer(init):
     """``HybridDeviceOptimizer.__init__``: refuse an ``offload_fraction`` above 0 (0 runs as written)."""
 
@@ -57,6 +76,8 @@ def refuse_offloading_optimizer(init):
 
 
 def register(registry, versions: str) -> None:
+    registry.wrap(f"{_OPTIMIZER}.optimizer_config:OptimizerConfig.__post_init__", refuse_offloading_float32,
+                  versions=versions, reason="offloading float32 parameters: torch's optimizer refuses megatron's views")
     reason = "host copies cannot be told from device tensors on cpu: offloaded updates would be lost"
     registry.wrap(f"{_OPTIMIZER}.optimizer_config:OptimizerConfig.__post_init__", refuse_offloading_config,
                   versions=versions, backends=("cpu",), reason=reason)

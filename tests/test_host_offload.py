@@ -99,6 +99,19 @@ def test_under_the_host_stand_in_offloading_matches_torch_adam_with_its_state_on
     assert (on_device == 0) if fraction == 1.0 else (0 < on_device < total and on_host >= total * fraction)
 
 
+def test_offloading_float32_parameters_is_refused_in_one_line_and_bf16_passes(monkeypatch):
+    """megatron hands the offloading optimizer float32 parameters as views, which torch's optimizers refuse
+    with a traceback on every rank (tests/offload_ranks.py trains bf16)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    monkeypatch.setenv(host_memory.STAND_IN_ENV, "1")
+    offload = dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, use_distributed_optimizer=True,
+                   optimizer_offload_fraction=0.5)
+    with pytest.raises(HostOffloadError, match=r"^optimizer_cpu_offload=True with float32 parameters .*--bf16"):
+        OptimizerConfig(**offload)
+    assert OptimizerConfig(bf16=True, **offload).optimizer_cpu_offload
+
+
 def test_the_host_stand_in_is_off_for_a_real_cpu_run():
     assert not host_memory.stand_in()
     with pytest.raises(HostOffloadError):
