@@ -70,9 +70,6 @@ FEATURES = (
     Feature("NCCL user buffers", ("nccl_ub",), ("megatron.core.nccl_allocator",),
             "buffers are registered with NCCL from CUDA memory pools", library="NCCL",
             instead="drop --use-nccl-ub (the collectives then use the backend's own buffers)"),
-    Feature("fine-grained activation offloading", ("fine_grained_activation_offloading",),
-            ("megatron.core.pipeline_parallel.fine_grained_activation_offload",),
-            "activations move between CUDA memory and pinned host memory on CUDA streams"),
     Feature("symmetric-memory all-reduce", ("symmetric_ar_type",),
             ("megatron.core.utils:GlobalSymmetricMemoryBuffer",  # 0.16
              "megatron.core.inference.symmetric_memory:SymmetricMemoryBuffer"),  # 0.17+

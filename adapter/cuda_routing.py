@@ -20,8 +20,9 @@ own packages through ``adapter.route_cuda``), and every module under it, now or 
    is wrapped to run under ``adapter.torch_view.CudaCalls``, which answers those spellings for that
    module's own calls only. Per-layer code spells none of them in megatron-core 0.16.1-0.19.2
    (tests/test_cuda_inventory.py). On a backend without an accelerator (cpu), functions that pin host
-   memory (``.pin_memory()``, ``pin_memory=True``) are wrapped too: there is nothing to pin for, and torch
-   refuses to pin.
+   memory (``.pin_memory()``, ``pin_memory=True``) or tie a tensor to a stream (``t.record_stream(s)``)
+   are wrapped too: there is nothing to pin for and the CPU's one stream needs no tie, while torch
+   refuses to pin and has no CPU kernel for ``record_stream``.
 
 Nothing global changes: ``torch.cuda`` is the same object for every other module and library. Modules a
 routed package imported before routing began get the same, after the fact (``route`` rebinds their
@@ -84,8 +85,8 @@ def _own_facts(code: types.CodeType) -> int:
             or (("cuda" in names or "to" in names) and _tensor_method_here(code))
             or (facts & _DEVICE_STRINGS and "device" in strings and _device_string_handed_on(code))):
         facts |= _TENSOR_CALLS
-    if "pin_memory" in names or "pin_memory" in strings:  # t.pin_memory(), pin_memory= (a keyword's name)
-        facts |= _PINS
+    if "pin_memory" in names or "pin_memory" in strings or "record_stream" in names:
+        facts |= _PINS  # t.pin_memory(), pin_memory= (a keyword's name), t.record_stream(s)
     return facts
 
 
@@ -129,7 +130,8 @@ def names_backend(code: types.CodeType) -> bool:
 def spells_tensor_calls(code: types.CodeType, pins: bool = False) -> bool:
     """Whether ``code``, or code nested in it, spells CUDA in a tensor method: ``.cuda()``, ``.is_cuda``, a
     ``'torch.cuda.*Tensor'`` type name (compared with ``t.type()``), ``.to("cuda")``; with ``pins``, also
-    pinned host memory (``t.pin_memory()``, ``pin_memory=``), which needs an accelerator to pin for."""
+    pinned host memory (``t.pin_memory()``, ``pin_memory=``), which needs an accelerator to pin for, and
+    ``t.record_stream(s)``, which needs one to have streams."""
     return bool(_facts(code) & (_TENSOR_CALLS | (_PINS if pins else 0)))
 
 

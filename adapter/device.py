@@ -174,11 +174,19 @@ class _CpuEvent(torch.cpu.Event):
         return (end._stamp - self._stamp) * 1000.0
 
 
-class _CpuStream(torch.cpu.Stream):
+class _CpuStream(torch.cpu.Stream, torch.Stream):
     """The CPU's one stream. Work on the CPU runs in program order, so every stream megatron makes or asks
     for is this one: equal to the current stream (a "side stream" needs no ``record_stream``, for which
-    torch has no CPU kernel) and with events complete when recorded (torch.cpu.Stream's record_event gives
-    None, which megatron then waits on)."""
+    torch has no CPU kernel: routed code's ``t.record_stream(s)`` does nothing, ``adapter.torch_view``) and
+    with events complete when recorded (torch.cpu.Stream's record_event gives None, which megatron then
+    waits on). It is also a ``torch.Stream`` (torch.cpu.Stream's methods first), the type torch's tensor
+    methods take a stream as."""
+
+    def __new__(cls):
+        return torch.Stream.__new__(cls, device="cpu")
+
+    def __init__(self):
+        torch.cpu.Stream.__init__(self)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, torch.cpu.Stream)

@@ -30,7 +30,7 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
-from adapter import backend, device
+from adapter import backend, device, host_memory
 
 # torch functions that take a ``device=`` keyword and appear with a literal CUDA device in megatron.
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn",
@@ -192,7 +192,7 @@ _TORCH_PACKAGES = ("torch.", "adapter.torch_view")
 
 
 def _on_this_device(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == backend.current().device_type
+    return tensor.device.type == backend.current().device_type and not host_memory.is_host(tensor)
 
 
 def _cuda(func, args, kwargs):
@@ -221,11 +221,17 @@ def _pin_memory(func, args, kwargs):
     where an accelerator exists to pin it for."""
     if backend.current().is_accelerator:
         return func(*args, **kwargs)
-    return args[0].clone(memory_format=torch.preserve_format)
+    return host_memory.pinned(args[0].clone(memory_format=torch.preserve_format))
+
+
+def _record_stream(func, args, kwargs):
+    """Nothing to tie without an accelerator: the CPU's one stream runs in program order (torch has no CPU
+    kernel for ``record_stream``)."""
+    return func(*args, **kwargs) if backend.current().is_accelerator else None
 
 
 _ANSWERS = {torch.Tensor.cuda: _cuda, torch.Tensor.to: _to, torch.Tensor.type: _type,
-            torch.Tensor.pin_memory: _pin_memory}
+            torch.Tensor.pin_memory: _pin_memory, torch.Tensor.record_stream: _record_stream}
 _ROUTED_KEYWORDS = ("device", "pin_memory")
 
 
@@ -243,7 +249,8 @@ class CudaCalls(TorchFunctionMode):
     ``t.cuda()`` and ``model.cuda()`` move to this backend's device, ``t.to("cuda")`` and ``device="cuda"``
     are routed, ``t.is_cuda`` says whether ``t`` is on this backend's device, ``t.type()`` gives the CUDA
     type name there (megatron dispatches on ``'torch.cuda.FloatTensor'``); without an accelerator, pinned
-    memory (``t.pin_memory()``, ``pin_memory=True``) is ordinary host memory. Calls from any other module pass
+    memory (``t.pin_memory()``, ``pin_memory=True``) is ordinary host memory and ``t.record_stream(s)`` does
+    nothing. Calls from any other module pass
     through as written, so the mode answers for no code it was not asked to: megatron's own functions
     are each routed by their own rule, not by a caller's mode.
 
@@ -269,6 +276,7 @@ class CudaCalls(TorchFunctionMode):
             kwargs["device"] = route_device(kwargs["device"])
         if kwargs.get("pin_memory") and not backend.current().is_accelerator:
             kwargs["pin_memory"] = False  # no accelerator to pin for: ordinary host memory
+            return host_memory.pinned(func(*args, **kwargs))
         return func(*args, **kwargs)
 
 

@@ -119,7 +119,8 @@ FEATURES = (
     _f("torch FSDP2", ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]),  # validate_args asks it
     _f("optimizer CPU offload", ["--use-distributed-optimizer", "--optimizer-cpu-offload",
                                  "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "1.0"]),
-    _f("fine-grained activation offloading", ["--fine-grained-activation-offloading"]),
+    _f("fine-grained activation offloading", ["--fine-grained-activation-offloading", "--offload-modules", "core_attn",
+                                              "attn_proj", "--min-offloaded-tensor-size", "0"]),
     _f("FP8", ["--fp8-format", "hybrid"]),
     _f("TP communication overlap", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                     "--tp-comm-overlap"]),

@@ -5,13 +5,15 @@ them apart from the rest by ``is_cuda``. On the cpu backend every tensor already
 is this backend's device, so a host copy cannot be told apart: it lands with the device parameters, its
 updates are never copied back, and training silently diverges from the same optimizer run without
 offloading. Refused where it is configured (``OptimizerConfig``) and where it is built, with the fix.
-On npu and cuda offloading is real and nothing changes.
+On npu and cuda offloading is real and nothing changes. Under the host stand-in (``adapter.host_memory``,
+for tests) host copies are told apart as on an NPU, and megatron's offloading runs as written.
 """
 
 from __future__ import annotations
 
 import functools
 
+from adapter import host_memory
 from adapter.cuda_only_features import RefusedSetting
 
 _OPTIMIZER = "megatron.core.optimizer"
@@ -34,9 +36,28 @@ def refuse_offloading_config(post_init):
 
     @functools.wraps(post_init)
     def checked(config, *args, **kwargs):
-        if config.optimizer_cpu_offload and config.optimizer_offload_fraction > 0:
+        if config.optimizer_cpu_offload and config.optimizer_offload_fraction > 0 and not host_memory.stand_in():
             raise _refusal(f"optimizer_cpu_offload=True with optimizer_offload_fraction="
                            f"{config.optimizer_offload_fraction!r}")
+        return post_init(config, *args, **kwargs)
+
+    return checked
+
+
+def refuse_offloading_float32(post_init):
+    """``OptimizerConfig.__post_init__`` on every backend: offloading with float32 parameters is refused in one
+    line. megatron's distributed optimizer hands its HybridDeviceOptimizer float32 parameters as views of the
+    model's (``model_param.view(-1)[range]``), and torch's optimizer refuses them ("can't optimize a non-leaf
+    Tensor", a traceback on every rank, on every device); bf16 and fp16 parameters reach it as detached
+    shards."""
+
+    @functools.wraps(post_init)
+    def checked(config, *args, **kwargs):
+        if config.optimizer_cpu_offload and config.optimizer_offload_fraction > 0 and not (config.bf16 or config.fp16):
+            raise HostOffloadError(
+                f"optimizer_cpu_offload=True with float32 parameters (optimizer_offload_fraction="
+                f"{config.optimizer_offload_fraction!r}): megatron's HybridDeviceOptimizer takes bf16 or fp16 "
+                "parameters (float32 ones reach it as views, which torch's optimizers refuse): add --bf16 (or --fp16)")
         return post_init(config, *args, **kwargs)
 
     return checked
@@ -47,7 +68,7 @@ def refuse_offloading_optimizer(init):
 
     @functools.wraps(init)
     def checked(self, params, offload_fraction=0.5, *args, **kwargs):
-        if offload_fraction > 0:
+        if offload_fraction > 0 and not host_memory.stand_in():
             raise _refusal(f"HybridDeviceOptimizer(offload_fraction={offload_fraction!r})")
         return init(self, params, offload_fraction, *args, **kwargs)
 
@@ -55,6 +76,8 @@ def refuse_offloading_optimizer(init):
 
 
 def register(registry, versions: str) -> None:
+    registry.wrap(f"{_OPTIMIZER}.optimizer_config:OptimizerConfig.__post_init__", refuse_offloading_float32,
+                  versions=versions, reason="offloading float32 parameters: torch's optimizer refuses megatron's views")
     reason = "host copies cannot be told from device tensors on cpu: offloaded updates would be lost"
     registry.wrap(f"{_OPTIMIZER}.optimizer_config:OptimizerConfig.__post_init__", refuse_offloading_config,
                   versions=versions, backends=("cpu",), reason=reason)

@@ -207,8 +207,8 @@ class _Scanner(ast.NodeVisitor):
 
 def _pins(node: ast.AST) -> bool:
     """The source form of the rule's pinned-memory fact: ``pin_memory`` as an attribute, a keyword's name or
-    a string (what puts it in a code object's names or constants)."""
-    return (isinstance(node, ast.Attribute) and node.attr == "pin_memory") or (
+    a string (what puts it in a code object's names or constants), or ``record_stream`` as an attribute."""
+    return (isinstance(node, ast.Attribute) and node.attr in ("pin_memory", "record_stream")) or (
         isinstance(node, ast.keyword) and node.arg == "pin_memory") or (
         isinstance(node, ast.Constant) and node.value == "pin_memory")
 

@@ -45,6 +45,9 @@ AS_WRITTEN = {
     "megatron.core.extensions.transformer_engine":
         "Transformer Engine's own layers: importable only where TE is installed, which is CUDA only; "
         "megatron's TE specs refuse without it (HAVE_TE)",
+    "megatron.core.pipeline_parallel.fine_grained_activation_offload:OffloadTensorPool.__init__ 'cuda'":
+        "the pool's default device; megatron's offload manager builds its one pool on 'cpu', and a pool left at "
+        "the default allocates through torch.empty(device=...), which the strings view routes",
     "megatron.core.resharding.refit:<module> 'nccl'":
         "a Literal of refit backend names",
     "megatron.core.resharding.refit:get_or_create_service 'nccl'":

@@ -14,7 +14,7 @@ from patches.cuda_only_features import refuse_configured, refuse_nvshmem_refit
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 TRANSFORMER = [("enable_cuda_graph", True), ("external_cuda_graph", True), ("cuda_graph_impl", "local"),
                ("fp8", "hybrid"), ("fp4", "e2m1"), ("batch_invariant_mode", True),
-               ("fine_grained_activation_offloading", True), ("symmetric_ar_type", "two_shot"),
+               ("symmetric_ar_type", "two_shot"),
                ("use_inference_optimized_layers", True), ("tp_comm_overlap", True),
                ("moe_token_dispatcher_type", "flex")]
 DDP = [("nccl_ub", True)]  # Megatron-FSDP and torch FSDP2 run off CUDA: tests/test_sharding.py
