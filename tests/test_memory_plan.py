@@ -521,10 +521,9 @@ def _printed_command(out: str) -> list[str]:
     return shlex.split(block.replace("\\\n", " "))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(QWEN3_SCRIPTS))
-def test_qwen3_dry_run_prints_a_command_the_flow_accepts_and_a_plan_that_fits(tmp_path, name):
-    script, layout = QWEN3_SCRIPTS[name]
+def dry_run(tmp_path: Path, script: str, name: str, layout: dict):
+    """A launcher's DRY_RUN: (its output, the plan of the command it printed). Checks that nothing launched,
+    that the flow takes every argument of the command and that its model, layout and world are ``layout``'s."""
     for suffix in (".bin", ".idx"):
         (tmp_path / f"corpus{suffix}").touch()
     env = _script_env(tmp_path, DRY_RUN="1", DATA_PATH=str(tmp_path / "corpus"), TOKENIZER_MODEL=str(tmp_path))
@@ -539,7 +538,14 @@ def test_qwen3_dry_run_prints_a_command_the_flow_accepts_and_a_plan_that_fits(tm
     assert (args.model, args.seq_length, world) == (name, 4096, layout["devices"])
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
             args.expert_model_parallel_size) == (layout["tp"], layout["pp"], layout["ep"])
-    expected, _ = plan_from_args(["--world-size", str(world), *argv])
+    return done, args, plan_from_args(["--world-size", str(world), *argv])[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(QWEN3_SCRIPTS))
+def test_qwen3_dry_run_prints_a_command_the_flow_accepts_and_a_plan_that_fits(tmp_path, name):
+    script, layout = QWEN3_SCRIPTS[name]
+    done, _, expected = dry_run(tmp_path, script, name, layout)
     total = next(line for line in done.stdout.splitlines() if line.startswith("total (GiB)"))
     assert total.split()[2:] == [f"{s.gib()['total']:.2f}" for s in expected.stages]
     peak = re.search(r"needs ([\d.]+) GiB per device \(stage (\d+)\)", done.stdout)

@@ -6,7 +6,6 @@ launchers' dry runs (the flow takes their commands, the plan fits a 64 GB device
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 import torch
@@ -14,9 +13,8 @@ import torch
 import models
 from adapter.parallel import PipelineSplit
 from adapter.training import memory_plan
-from adapter.training.arguments import parse_args, validate_args
 from adapter.training.memory_plan import PlanError, plan, plan_from_args
-from tests.test_memory_plan import DEVICE_BYTES, RESERVE, ROOT, _printed_command, _script_env
+from tests.test_memory_plan import DEVICE_BYTES, RESERVE, dry_run
 
 DSV3, KIMI = models.get("deepseek-v3"), models.get("kimi-k2")
 H, V = 7168, 129280
@@ -187,23 +185,9 @@ LAUNCHERS = {
 @pytest.mark.parametrize("name", list(LAUNCHERS))
 def test_launcher_dry_run_prints_a_command_the_flow_accepts_and_a_plan_that_fits(tmp_path, name):
     script, layout = LAUNCHERS[name]
-    for suffix in (".bin", ".idx"):
-        (tmp_path / f"corpus{suffix}").touch()
-    env = _script_env(tmp_path, DRY_RUN="1", DATA_PATH=str(tmp_path / "corpus"), TOKENIZER_MODEL=str(tmp_path))
-    done = subprocess.run(["bash", str(ROOT / "scripts" / script)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert not (tmp_path / "torchrun-args").exists()
-    command = _printed_command(done.stdout)
-    argv = command[command.index(str(ROOT / "scripts" / "pretrain_gpt.py")) + 1:]
-    world = int(command[command.index("--nnodes") + 1]) * int(command[command.index("--nproc_per_node") + 1])
-    args = validate_args(parse_args(argv), world)  # every argument is one the flow takes, and they fit together
-    assert (args.model, args.seq_length, world) == (name, 4096, layout["devices"])
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            args.expert_model_parallel_size) == (layout["tp"], layout["pp"], layout["ep"])
+    done, args, expected = dry_run(tmp_path, script, name, layout)
     assert args.model_config.multi_latent_attention
     assert args.model_config.mtp_num_layers == (1 if name == "deepseek-v3" else None)
-    expected, _ = plan_from_args(["--world-size", str(world), *argv])
     assert [s.layers for s in expected.stages] == layout["sizes"]
     for row in ("weights", "grads", "optimizer", "activations", "logits", "total"):
         line = next(line for line in done.stdout.splitlines() if line.startswith(f"{row} (GiB)"))
