@@ -14,6 +14,7 @@ import models
 from adapter.parallel import PipelineSplit
 from adapter.training import memory_plan
 from adapter.training.memory_plan import PlanError, plan, plan_from_args
+from tests.recompute_ranks import SavedActivations
 from tests.test_memory_plan import DEVICE_BYTES, RESERVE, dry_run
 
 DSV3, KIMI = models.get("deepseek-v3"), models.get("kimi-k2")
@@ -21,23 +22,6 @@ H, V = 7168, 129280
 # the launcher's layout: TP 1 x PP 8 x EP 64 on 512 devices, 8 / 6 x 8 / 5 layers
 LAYOUT = dict(tp=1, pp=8, dp=64, ep=64, etp=1, micro_batch_size=1, global_batch_size=7680, seq_length=4096,
               split=PipelineSplit(first=8, last=5))
-
-
-class SavedBytes:
-    """Bytes of the tensors autograd holds for backward, each storage once, parameters left out; a storage
-    megatron released after saving (recompute) counts as its size then, zero."""
-
-    def __init__(self, parameters):
-        self._parameters = {p.untyped_storage().data_ptr() for p in parameters}
-        self._saved = []
-
-    def pack(self, tensor):
-        self._saved.append(tensor)
-        return tensor
-
-    def nbytes(self) -> int:
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._saved}
-        return sum(size for ptr, size in storages.items() if ptr not in self._parameters)
 
 
 def _measured_latent_attention(recompute_modules: list[str] | None) -> tuple[int, int]:
@@ -53,7 +37,7 @@ def _measured_latent_attention(recompute_modules: list[str] | None) -> tuple[int
     with one_rank_model_parallel():
         attention = build_model(model, transformer_config(model, **recompute)).decoder.layers[1].self_attention
         hidden = torch.randn(model.seq_length, batch, model.hidden_size, requires_grad=True)
-        saved = SavedBytes(attention.parameters())
+        saved = SavedActivations(attention.parameters())
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
             attention(hidden, attention_mask=None)
         # at the forward's end, as the pipeline holds it; the input is the layer's norm output, counted there
