@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 from adapter import activation_offload
+from patches.megatron_lm_recipes import validated_with_flag_hidden
 
 _OFFLOAD = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
 OFF_CUDA = ("cpu", "npu")
@@ -32,11 +33,7 @@ def offloading_without_transformer_engine(validate_args):
         if getattr(args, "rank", 0) == 0:
             print("[adapter] --fine-grained-activation-offloading: megatron's offload manager saves the inputs of "
                   f"{' '.join(args.offload_modules or [])} on this backend's streams, with the local spec", flush=True)
-        args.fine_grained_activation_offloading = False
-        try:
-            return validate_args(args, *rest, **kwargs)
-        finally:
-            args.fine_grained_activation_offloading = True
+        return validated_with_flag_hidden(validate_args, args, "fine_grained_activation_offloading", *rest, **kwargs)
 
     return validate
 

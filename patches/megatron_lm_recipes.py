@@ -63,13 +63,19 @@ def grouped_gemm_without_compute_capability(validate_args):
 
         _say(args, f"--moe-grouped-gemm: the experts run the {kernels.current().NAME} kernel provider's grouped "
                    f"GEMM, which needs no NVIDIA compute capability (none on the {backend.current().name} backend)")
-        args.moe_grouped_gemm = False
-        try:
-            return validate_args(args, *rest, **kwargs)
-        finally:
-            args.moe_grouped_gemm = True
+        return validated_with_flag_hidden(validate_args, args, "moe_grouped_gemm", *rest, **kwargs)
 
     return validate
+
+
+def validated_with_flag_hidden(validate_args, args, flag: str, *rest, **kwargs):
+    """``validate_args`` with the switch ``flag`` off for the call, then on again: for a check of
+    Megatron-LM's that ties the feature to a CUDA library the adapter answers otherwise."""
+    setattr(args, flag, False)
+    try:
+        return validate_args(args, *rest, **kwargs)
+    finally:
+        setattr(args, flag, True)
 
 
 def register(registry, versions: str) -> None:
