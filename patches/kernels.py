@@ -113,7 +113,7 @@ def _mla_ring_attention_refused(validate_args):
             return validate_args(args, *rest, **kwargs)
         comm_types = args.cp_comm_type if isinstance(args.cp_comm_type, (list, tuple)) else [args.cp_comm_type]
         qk, v = args.qk_head_dim + args.qk_pos_emb_head_dim, args.v_head_dim
-        if qk != v and any((kind or "p2p") == "p2p" for kind in comm_types):
+        if context_parallel.ring_refuses(qk, v, comm_types):
             raise RefusedSetting(
                 f"--multi-latent-attention (query/key head size {qk} = --qk-head-dim + --qk-pos-emb-head-dim, value "
                 f"head size {v}) with --context-parallel-size {args.context_parallel_size} and --cp-comm-type "

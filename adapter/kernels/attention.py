@@ -36,7 +36,7 @@ from adapter.kernels import UnsupportedKernelSetting, context_parallel
 
 def _check_ring_head_sizes(k_channels, v_channels, cp_size: int) -> None:
     """Ring attention takes one head size (context_parallel.RING_HEAD_SIZES); Ulysses any."""
-    if k_channels is not None and v_channels is not None and k_channels != v_channels:
+    if context_parallel.ring_refuses(k_channels, v_channels, ["p2p"]):
         raise UnsupportedKernelSetting(
             f"context_parallel_size={cp_size}, cp_comm_type='p2p' with query/key head size {k_channels} != value "
             f"head size {v_channels} (multi-latent attention): {context_parallel.RING_HEAD_SIZES}; use "

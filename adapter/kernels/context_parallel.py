@@ -36,6 +36,13 @@ RING_HEAD_SIZES = ("the adapter's ring attention (cp_comm_type p2p) exchanges K/
                    "of one head size; Ulysses (a2a) takes a value head size of its own")
 
 
+def ring_refuses(qk_head_size, v_head_size, comm_types) -> bool:
+    """Whether ring attention is among ``comm_types`` (a missing type is megatron's default, p2p) for query/key
+    and value heads of different sizes, which it cannot take (``RING_HEAD_SIZES``)."""
+    return (qk_head_size is not None and v_head_size is not None and qk_head_size != v_head_size
+            and any((kind or "p2p") == "p2p" for kind in comm_types))
+
+
 def check_cp_attention(cp_comm_type, heads: int, groups: int, cp: int) -> str:
     """The scheme for megatron's ``cp_comm_type`` (one per layer may be given as a list), refused by name
     where it cannot run."""

@@ -567,7 +567,7 @@ def _check_context_parallel(args: argparse.Namespace) -> None:
     _require(args.cp_comm_type in SUPPORTED_CP_COMM_TYPES,
              f"--cp-comm-type {args.cp_comm_type}: not supported by the adapter's CP attention: use p2p or a2a")
     key, value = model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
-    _require(not model.multi_latent_attention or key == value or args.cp_comm_type != "p2p",
+    _require(not model.multi_latent_attention or not context_parallel.ring_refuses(key, value, [args.cp_comm_type]),
              f"--context-parallel-size {cp} --cp-comm-type p2p with multi-latent attention's key heads of {key} and "
              f"value heads of {value}: {context_parallel.RING_HEAD_SIZES}; use --cp-comm-type a2a")
     heads, groups = model.num_attention_heads // tp, model.num_query_groups // tp
