@@ -95,14 +95,18 @@ def test_plain_torchrun_saves_as_well_but_exits_1(tmp_path):
 
 def test_the_time_budget_saves_and_leaves_before_it_runs_out_and_the_next_launch_resumes_exactly(
         reference, tmp_path):
+    """How many iterations fit in 6 s depends on the machine (31 on CI's once): past the shared reference's 24,
+    the uninterrupted curve is run to the resumed run's end."""
     results = run_ranks(2, run_pretrain, _argv("--exit-duration-in-mins", "0.1", "--save", str(tmp_path)))
     iteration = results[0]["iteration"]
-    assert 1 <= iteration <= 21 and [r["iteration"] for r in results] == [iteration, iteration]
+    assert 1 <= iteration < 1000 and [r["iteration"] for r in results] == [iteration, iteration]
     assert results[0]["stopped"].startswith("another iteration would end 0.")
     assert results[0]["stopped"].endswith("minutes after the launch, past --exit-duration-in-mins 0.1")
     assert _saved(tmp_path) == [checkpoint_dir.checkpoint_name(iteration), checkpoint_dir.TRACKER]
     resumed = logged_losses(run_ranks(2, run_pretrain, _argv("--load", str(tmp_path), "--exit-interval",
                                                              str(iteration + 3))))
+    if iteration + 3 > max(reference):
+        reference = logged_losses(run_ranks(2, run_pretrain, _argv("--exit-interval", str(iteration + 3))))
     assert resumed == {i: reference[i] for i in range(iteration + 1, iteration + 4)}
 
 
