@@ -62,10 +62,11 @@ class Feature:
     flags: tuple[str, ...]
     nproc: int = 2
     local: bool = True  # add --transformer-impl local (False: the feature is the impl itself)
+    env: tuple[tuple[str, str], ...] = ()  # the cell's environment on top of the backend's
 
 
-def _f(name: str, flags: list[str], nproc: int = 2, local: bool = True) -> Feature:
-    return Feature(name, tuple(flags), nproc, local)
+def _f(name: str, flags: list[str], nproc: int = 2, local: bool = True, env: dict | None = None) -> Feature:
+    return Feature(name, tuple(flags), nproc, local, tuple((env or {}).items()))
 
 
 FEATURES = (
@@ -109,6 +110,7 @@ FEATURES = (
     _f("DeepSeek-V3 router", [*MOE, *DSV3_ROUTER]),
     _f("multi-token prediction", ["--mtp-num-layers", "1"]),
     _f("multi-latent attention", MLA),
+    _f("multi-latent attention without q-LoRA", [f for f in MLA if f not in ("--q-lora-rank", "32")]),
     _f("multi-latent attention, CP2 a2a", [*MLA, "--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
     _f("multi-latent attention, CP2 p2p", [*MLA, "--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
     _f("DeepSeek-V3 (MLA, MTP, its router) PP2 EP2",
@@ -116,9 +118,17 @@ FEATURES = (
         "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], nproc=4),
     _f("Megatron-FSDP", ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
                          "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]),
+    _f("Megatron-FSDP, fsdp_dtensor save", ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                            "optim_grads_params", "--use-distributed-optimizer", "--ckpt-format",
+                                            "fsdp_dtensor", "--save", SAVE, "--save-interval", "2"]),
     _f("torch FSDP2", ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]),  # validate_args asks it
     _f("optimizer CPU offload", ["--use-distributed-optimizer", "--optimizer-cpu-offload",
                                  "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "1.0"]),
+    # the NPU path of megatron's HybridDeviceOptimizer, its "device" tensors told from host copies by
+    # adapter/host_memory.py's stand-in: what an NPU runs, before one does
+    _f("optimizer CPU offload, fraction 0.5, host stand-in",
+       ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+        "--optimizer-offload-fraction", "0.5", "--bf16"], env={"ADAPTER_HOST_STAND_IN": "1"}),
     _f("fine-grained activation offloading", ["--fine-grained-activation-offloading", "--offload-modules", "core_attn",
                                               "attn_proj", "--min-offloaded-tensor-size", "0"]),
     _f("FP8", ["--fp8-format", "hybrid"]),
@@ -209,7 +219,7 @@ def run_cell(feature: Feature, flow: str, backend: str, checkout: Path | None, t
         pythonpath.insert(0, str(DOUBLES))
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                  if p and (checkout is None or Path(p).resolve() != checkout)]
-    env = {**os.environ, **BACKENDS[backend], "OMP_NUM_THREADS": "1",
+    env = {**os.environ, **BACKENDS[backend], **dict(feature.env), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([*pythonpath, *inherited])}
     with tempfile.TemporaryDirectory(prefix="feature-matrix-") as workdir:
         started = time.monotonic()
@@ -225,7 +235,7 @@ def run_cell(feature: Feature, flow: str, backend: str, checkout: Path | None, t
 
 
 def _flags_text(feature: Feature) -> str:
-    return " ".join(f for f in feature.flags if f != SAVE) or "(none)"
+    return " ".join([*(f"{k}={v}" for k, v in feature.env), *(f for f in feature.flags if f != SAVE)]) or "(none)"
 
 
 def markdown(results: dict, flows: list[str], backends: list[str], note: str) -> str:
