@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the distributed optimizer's precision-aware path, which --optimizer-cpu-offload runs on "
                         "(alone it needs Transformer Engine's FusedAdam)")
     g.add_argument("--use-torch-optimizer-for-cpu-offload", action="store_true",
-                   help="with --optimizer-cpu-offload --optimizer sgd: torch's SGD on the device part too")
+                   help="the host optimizer's class on the device part too (megatron-core 0.19 picks both "
+                        "classes by --optimizer whatever this says)")
     g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
                    help="overlap the host step with the gradient and parameter copies")
     g.add_argument("--no-pin-cpu-grads", action="store_false", dest="pin_cpu_grads",
@@ -57,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--activation-offload-fraction", type=float, default=1.0,
                    help="the share of eligible offload groups offloaded")
     g.add_argument("--delta-offload-bytes-across-pp-ranks", type=int, default=0,
-                   help="offload this many bytes fewer per later pipeline stage (which keeps fewer activations)")
+                   help="the difference of offloaded bytes across pipeline stages, to balance their loads")
 
 
 def optimizer_fields(args: argparse.Namespace) -> dict:
