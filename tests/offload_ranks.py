@@ -25,7 +25,7 @@ from models.provider import build_model, transformer_config
 from scripts.train_tiny_gpt import Run, finish, train_step
 
 
-def _state_bytes(optimizer) -> dict:
+def state_bytes(optimizer) -> dict:
     """Bytes of this rank's optimizer state, Adam's moments and the fp32 main parameters (the plain distributed
     optimizer holds those as its parameters, megatron's HybridDeviceOptimizer in its state), on the device and
     in host memory, sorted as an accelerator sorts them (``adapter.host_memory.is_host``)."""
@@ -62,7 +62,7 @@ def train(run: Run, offload_fraction: float | None) -> dict:
     config.grad_scale_func = optimizer.scale_loss
     losses = [train_step(run, flavor, [chunk], optimizer, step)[0] for step in range(run.steps)]
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    result = {"losses": losses, **_state_bytes(optimizer),
+    result = {"losses": losses, **state_bytes(optimizer),
               "hybrid": all(isinstance(opt.optimizer, HybridDeviceOptimizer) for opt in inner)}
     finish()
     return result

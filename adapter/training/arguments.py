@@ -5,7 +5,8 @@ Architecture arguments default to None: ``--model NAME`` (``models.names()``) su
 one overrides it (``models.provider.config_from_args``). An argument Megatron-LM has and this flow does not
 is refused in one line naming ``python -m adapter.run``, where Megatron-LM's own pretrain_gpt.py takes it
 (``megatron_lm_flags``), never silently ignored; one no parser knows is argparse's "unrecognized arguments";
-a combination that cannot run is one ``ArgumentError`` naming the values and the fix.
+a combination that cannot run is one ``ArgumentError`` naming the values and the fix. Optimizer and
+fine-grained activation offloading have their flags and checks in ``offloading``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import NoReturn
 import models
 from adapter.parallel import ModelShape, ParallelConfigError, PipelineSplit, check_sizes
 from adapter.kernels import context_parallel
+from adapter.training import offloading
 from models import checkpoint_dir
 
 
@@ -387,7 +389,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = _Parser(description="Megatron-LM-style pretraining through the device adapter",
                                      allow_abbrev=False)
-    for add in (_model, _moe, _parallel, _training, _data, _checkpointing, _resilience, _logging):
+    for add in (_model, _moe, _parallel, _training, _data, _checkpointing, _resilience, _logging,
+                offloading.add_arguments):
         add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -446,6 +449,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _check_data(args)
     _check_checkpoints(args)
     _check_resilience(args)
+    offloading.check(args, ArgumentError)
     return args
 
 

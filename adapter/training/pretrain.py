@@ -31,7 +31,7 @@ from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
 import adapter
 from adapter.kernels import cuda_provider
-from adapter.training import checkpointing, global_vars, liveness, nonfinite
+from adapter.training import checkpointing, global_vars, liveness, nonfinite, offloading
 from adapter.training.manual_gc import ManualGC
 from adapter.training.arguments import ArgumentError, fit_vocab, parse_args, refuse, validate_args
 from adapter.training.preemption import Preemption
@@ -79,6 +79,7 @@ def initialize(extra_args_provider=None, args_defaults: dict | None = None, argv
     model_parallel_cuda_manual_seed(seed)
     if args.save:
         checkpointing.recover_interrupted_save(args)
+    offloading.start(args)
     return args
 
 
@@ -115,7 +116,7 @@ def transformer_config_overrides(args) -> dict:
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
-        **recompute, **_moe_overrides(args), **_mtp_overrides(args))
+        **recompute, **_moe_overrides(args), **_mtp_overrides(args), **offloading.transformer_fields(args))
 
 
 def _mtp_overrides(args) -> dict:
@@ -169,7 +170,7 @@ def setup_model_and_optimizer(model_provider, model_type=ModelType.encoder_or_de
         params_dtype=args.params_dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_param_gather=args.overlap_param_gather), chunks)
+        overlap_param_gather=args.overlap_param_gather, **offloading.optimizer_fields(args)), chunks)
     for chunk_config in {id(c.config): c.config for c in chunks}.values():
         chunk_config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
         chunk_config.finalize_model_grads_func = finalize_model_grads

@@ -1,0 +1,31 @@
+"""Rank function of the flow's offloading tests (tests/test_flow_offload.py): scripts/pretrain_gpt.py's step
+through ``pretrain`` (tests/pretrain_ranks.py's ``run_pretrain``), reporting besides what was logged where the
+optimizer's state lives (tests/offload_ranks.py's ``state_bytes``), whether megatron built its
+HybridDeviceOptimizer, and the bytes megatron's activation offload manager offloaded."""
+
+from __future__ import annotations
+
+import adapter  # noqa: F401 - before megatron
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
+
+from adapter.training import pretrain as flow
+from tests.offload_ranks import state_bytes
+from tests.pretrain_ranks import run_pretrain
+
+
+def run_pretrain_offloading(argv: list[str]) -> dict:
+    built = {}
+    setup = flow.setup_model_and_optimizer
+
+    def kept_setup(*args, **kwargs):
+        built["model"], built["optimizer"], built["scheduler"] = setup(*args, **kwargs)
+        return built["model"], built["optimizer"], built["scheduler"]
+
+    flow.setup_model_and_optimizer = kept_setup
+    history = run_pretrain(argv)
+    inner = getattr(built["optimizer"], "chained_optimizers", [built["optimizer"]])
+    manager = PipelineOffloadManager.get_instance() if "--fine-grained-activation-offloading" in argv else None
+    return {**history, **state_bytes(built["optimizer"]),
+            "hybrid": all(isinstance(opt.optimizer, HybridDeviceOptimizer) for opt in inner),
+            "offloaded_bytes": manager.offload_summary_total_bytes if manager is not None else 0}
