@@ -28,8 +28,9 @@ gated by ``sigmoid(x @ w)`` with ``moe_shared_expert_gate``). The router, as meg
 
 Multi-latent attention (DeepSeek-V2/V3, Kimi-K2) takes megatron's ``MLATransformerConfig`` fields and meanings
 (Megatron-LM's flags of the same names): queries through a low-rank ``q_lora_rank`` bottleneck (None: one
-projection), keys and values through a shared ``kv_lora_rank`` latent, each head's query/key split into
-``qk_head_dim`` dimensions without position and ``qk_pos_emb_head_dim`` with RoPE, values of ``v_head_dim``.
+projection, with no norm before it, as DeepSeek-V2-Lite: adapter/latent_attention.py), keys and values through
+a shared ``kv_lora_rank`` latent, each head's query/key split into ``qk_head_dim`` dimensions without position
+and ``qk_pos_emb_head_dim`` with RoPE, values of ``v_head_dim``.
 Its RoPE is megatron's YaRN (``rotary_scaling_factor``, ``mscale``, ``mscale_all_dim``,
 ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``; a factor of 1 is plain RoPE).
 ``mtp_num_layers`` multi-token prediction layers (megatron's MTP block; DeepSeek-V3's
@@ -206,10 +207,6 @@ class ModelConfig:
             _positive(name, getattr(self, name))
         if self.q_lora_rank is not None:
             _positive("q_lora_rank", self.q_lora_rank)
-        elif self.qk_layernorm:
-            raise ModelConfigError("multi_latent_attention with qk_layernorm and no q_lora_rank: megatron's MLA "
-                                   "(local spec) norms the query's low-rank latent, which there is none of; set "
-                                   "q_lora_rank or qk_layernorm=False")
         if self.num_query_groups != self.num_attention_heads:
             raise ModelConfigError(f"multi_latent_attention with num_query_groups={self.num_query_groups} of "
                                    f"{self.num_attention_heads} heads: MLA has no grouped-query attention (megatron "

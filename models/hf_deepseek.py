@@ -3,8 +3,9 @@ config.json as a ``ModelConfig`` and back, and their weights in megatron's multi
 
 What carries over as it is (megatron's ``MLASelfAttention`` splits its projections as transformers'
 ``DeepseekV3Attention`` does): ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` (or ``q_proj`` without a query
-LoRA) are megatron's ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj`` (``linear_q_proj``), each
-head's rows its qk_nope dimensions then its RoPE ones; ``kv_a_proj_with_mqa`` is ``linear_kv_down_proj`` (the
+LoRA, DeepSeek-V2-Lite style, with no norm before it: adapter/latent_attention.py keeps megatron-core 0.19 from
+adding one) are megatron's ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj`` (``linear_q_proj``),
+each head's rows its qk_nope dimensions then its RoPE ones; ``kv_a_proj_with_mqa`` is ``linear_kv_down_proj`` (the
 kv_lora_rank latent rows, then the shared RoPE key's), ``kv_a_layernorm`` is ``kv_layernorm``, ``kv_b_proj``
 is ``linear_kv_up_proj`` (per head: key rows, then value rows). The RoPE dimensions stay as DeepSeek lays
 them out, in interleaved pairs: megatron's MLA always de-interleaves them before rotating
@@ -113,11 +114,6 @@ def _moe_settings(hf: dict) -> dict:
 def config_from_hf(hf: dict) -> ModelConfig:
     """The ModelConfig of a DeepseekV3ForCausalLM config.json (DeepSeek-V3/R1, Kimi-K2)."""
     _refuse_what_megatron_cannot_express(hf)
-    if hf.get("q_lora_rank") is None:
-        raise UnsupportedCheckpoint(
-            f"{DEEPSEEK_V3} with q_lora_rank=null (one query projection, DeepSeek-V2-Lite style) is not supported: "
-            "megatron-core's MLA then norms the query projection's input when qk_layernorm is on (a norm this "
-            "checkpoint has not) and drops the key/value latent's norm (kv_a_layernorm) when it is off")
     try:
         theta, yarn = _rope(hf)
         heads, positions = hf["num_attention_heads"], hf.get("max_position_embeddings", 4096)

@@ -15,7 +15,8 @@ _YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, 
 # odd sizes throughout (hidden 48, heads of 10 + 8 query/key and 12 value dimensions); with a query LoRA, one dense
 # layer, YaRN over 16 original positions (the tests run 24), mscale != mscale_all_dim, 8 experts in 4 groups of
 # which 2 are kept (top 4), one shared expert and an MTP layer; two dense layers, plain RoPE, plain top-2 of 6
-# experts, two shared experts, tied embeddings. (Without a query LoRA megatron-core's MLA is not DeepSeek's: refused.)
+# experts, two shared experts, tied embeddings; without a query LoRA (DeepSeek-V2-Lite's one q_proj), two layers,
+# the second of 4 experts (top 2).
 DEEPSEEK = {
     "dsv3-qlora-yarn-mtp": dict(
         num_attention_heads=4, q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4,
@@ -26,6 +27,10 @@ DEEPSEEK = {
         num_attention_heads=6, q_lora_rank=20, n_routed_experts=6, n_group=1, topk_group=1, num_experts_per_tok=2,
         first_k_dense_replace=2, n_shared_experts=2, routed_scaling_factor=1.5, num_mtp_layers=0,
         max_position_embeddings=64, tie_word_embeddings=True),
+    "dsv2lite-no-qlora": dict(
+        num_attention_heads=4, q_lora_rank=None, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.0, num_mtp_layers=0,
+        max_position_embeddings=64, tie_word_embeddings=False, num_hidden_layers=2),
 }
 _SIZES = dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=4,
               kv_lora_rank=16, qk_nope_head_dim=10, qk_rope_head_dim=8, v_head_dim=12, rms_norm_eps=1e-6)
@@ -35,7 +40,8 @@ def config_of(name: str):
     import transformers
 
     overrides = DEEPSEEK[name]
-    return transformers.DeepseekV3Config(**_SIZES, num_key_value_heads=overrides["num_attention_heads"], **overrides)
+    return transformers.DeepseekV3Config(**{**_SIZES, **overrides},
+                                         num_key_value_heads=overrides["num_attention_heads"])
 
 
 def _perturb(module, generator) -> None:

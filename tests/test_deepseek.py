@@ -91,8 +91,6 @@ def test_mla_settings_megatron_would_refuse_are_refused_by_name():
         models.get("gpt-tiny", q_lora_rank=8)
     with pytest.raises(models.ModelConfigError, match="MLA has no grouped-query attention"):
         models.get("deepseek-v3-tiny", num_query_groups=2)
-    with pytest.raises(models.ModelConfigError, match="qk_layernorm and no q_lora_rank: megatron's MLA"):
-        models.get("deepseek-v3-tiny", q_lora_rank=None)
 
 
 # Megatron-LM's flags (tests/test_megatron_lm_deepseek.py's), without --model
@@ -170,11 +168,13 @@ def test_model_flops_of_deepseek_v3_are_megatron_lms_count():
 
 
 @pytest.mark.parametrize("overrides", [{}, {"add_bias_linear": True, "moe_shared_expert_intermediate_size": None},
-                                       {"q_lora_rank": None, "qk_layernorm": False, "mtp_num_layers": 2}])
+                                       {"q_lora_rank": None}, {"q_lora_rank": None, "qk_layernorm": False,
+                                                               "mtp_num_layers": 2}])
 def test_the_tiny_models_megatron_parameters_are_its_configs(one_rank, overrides):
     """megatron's built model (MTP layers included) counts what the config counts, with a bias on MLA's output
-    projection and without a query LoRA too (the 671B and 1T ones: tests/test_model_configs.py, against Hugging
-    Face's DeepseekV3 too)."""
+    projection and without a query LoRA too: then with the QK norms only the key/value latent's (DeepSeek-V2-Lite;
+    megatron-core 0.19 alone would norm the query projection's input too: adapter/latent_attention.py), without
+    them none (the 671B and 1T ones: tests/test_model_configs.py, against Hugging Face's DeepseekV3 too)."""
     from models.provider import build_model, transformer_config
 
     model = models.get("deepseek-v3-tiny", **overrides)
@@ -228,6 +228,18 @@ def test_deepseek_v3_tiny_through_the_npu_provider_gives_the_torch_providers_cur
     npu = logged_losses(runs)
     for i in ep2_curve:
         assert npu[i] == pytest.approx(ep2_curve[i], abs=1e-4), (npu, ep2_curve)
+
+
+@pytest.mark.slow
+def test_mla_without_a_query_lora_trains_through_the_flow_on_the_npu_provider():
+    """Megatron-LM's MLA flags without --q-lora-rank (DeepSeek-V2-Lite's one query projection) at TP2 through the
+    flow, on the npu provider over the torch_npu double: the loss and the MTP loss fall."""
+    at = MLA_FLAGS.index("--q-lora-rank")
+    training = TINY[2:TINY.index("--moe-router-load-balancing-type")]  # deepseek-v3-tiny's, less the router's
+    argv = [*ARCHITECTURE, *MLA_FLAGS[:at], *MLA_FLAGS[at + 2:], *training, "--tensor-model-parallel-size", "2"]
+    runs = run_ranks(2, run_pretrain_printing, argv, env=NPU_DOUBLE)
+    assert "kernels from the npu provider" in runs[0]["stdout"], runs[0]["stdout"][-2000:]
+    _falls(runs)
 
 
 def test_an_mla_model_is_written_as_deepseek_v3_not_as_the_qwen3_it_resembles():

@@ -45,8 +45,13 @@ def test_the_tiny_models_cover_what_deepseek_varies(converted):
     assert grouped.mscale != grouped.mscale_all_dim
     assert all(m.multi_latent_attention and m.qk_layernorm and m.moe_router_enable_expert_bias
                for m in configs.values())
+    assert {m.q_lora_rank is None for m in configs.values()} == {True, False}
     biases = [t for name, t in hf_state(converted["dsv3-dense2-tied"][0]).items() if "e_score_correction_bias" in name]
     assert biases and all(t.abs().min() > 0 for t in biases)
+
+
+# The model without a query LoRA differs in its query projection alone: TP1 and TP2 (its column split), on 2 ranks.
+LAYOUTS = {"dsv2lite-no-qlora": [(1, 1, 1), (2, 1, 1)]}
 
 
 @pytest.mark.slow
@@ -54,12 +59,15 @@ def test_the_tiny_models_cover_what_deepseek_varies(converted):
 @pytest.mark.parametrize("name", list(DEEPSEEK))
 def test_megatron_logits_equal_transformers_at_every_layout(converted, name):
     """transformers' DeepseekV3ForCausalLM (its interleaved RoPE pairs, YaRN with mscale over 24 positions of 16
-    original ones, sigmoid routing with bias and groups, shared experts, dense-first layers) and megatron's MLA
-    loaded from the converted checkpoint at each layout give the same logits."""
+    original ones, sigmoid routing with bias and groups, shared experts, dense-first layers; without a query LoRA,
+    q_proj on the normed hidden state and no other norm before it) and megatron's MLA loaded from the converted
+    checkpoint at each layout give the same logits."""
     hf_dir, mcore_dir, model = converted[name]
-    per_rank = run_ranks(4, megatron_logits_at_layouts, model, str(mcore_dir), MOE_LAYOUTS)
+    layouts = LAYOUTS.get(name, MOE_LAYOUTS)
+    per_rank = run_ranks(max(tp * pp * ep for tp, pp, ep in layouts), megatron_logits_at_layouts, model,
+                         str(mcore_dir), layouts)
     reference = hf_logits_of(str(hf_dir), model.vocab_size)
-    for i, layout in enumerate(MOE_LAYOUTS):
+    for i, layout in enumerate(layouts):
         ours = _same_on_every_rank([logits[i] for logits in per_rank])
         assert (ours - reference).abs().max().item() < 1e-5, f"(TP, PP, EP) = {layout}"
     if model.rotary_scaling_factor > 1:  # and the bound is sharp: transformers' other RoPE layout, or YaRN without
@@ -251,7 +259,6 @@ def _edited(**changes) -> dict:
 
 @pytest.mark.parametrize("config, message", [
     (_edited(rope_interleave=False), "rope_interleave=False is not supported"),
-    (_edited(q_lora_rank=None), "q_lora_rank=null"),
     (_edited(topk_method="greedy"), "topk_method='greedy'"),
     (_edited(scoring_func="softmax"), "scoring_func='softmax'"),
     (_edited(topk_group=3), "they agree only when num_experts_per_tok = 2 x topk_group"),
@@ -260,7 +267,7 @@ def _edited(**changes) -> dict:
     (_edited(rope_scaling={**_YARN, "type": "dynamic"}), "rope scaling 'dynamic'"),
     (_edited(rope_scaling={**_YARN, "truncate": False}), "truncate=false"),
     (_edited(hidden_act="gelu"), "hidden_act='gelu'"),
-], ids=["rope-not-interleaved", "no-q-lora", "greedy-router", "softmax-router", "groups", "not-renormalised",
+], ids=["rope-not-interleaved", "greedy-router", "softmax-router", "groups", "not-renormalised",
         "mscale", "rope-type", "truncate", "activation"])
 def test_what_megatron_cannot_express_is_refused_by_name(config, message):
     with pytest.raises(hf_format.UnsupportedCheckpoint, match=re.escape(message)):

@@ -76,6 +76,20 @@ def test_multi_latent_attention_trains_at_tp2(tmp_path, kernels):
     _falls(_losses(log), 6)
 
 
+def test_mla_without_a_query_lora_trains_at_tp2_without_a_query_norm(tmp_path):
+    """--multi-latent-attention --qk-layernorm without --q-lora-rank (DeepSeek-V2-Lite's one query projection):
+    megatron-core 0.19's local spec refuses it by itself (a ValueError from its QK-norm resolver); here each TP
+    rank holds DeepSeek's layers and trains. Per rank, by hand: embedding 128 x 64 (tied); each of 4 layers two
+    norms of 64, q_proj 48 x 64, kv_down 12 x 64, the latent's norm 16, kv_up 64 x 16, out 64 x 32, SwiGLU fc1
+    128 x 64 and fc2 64 x 64; the final norm 64: 85632, with no norm of 64 before q_proj."""
+    at = MLA.index("--q-lora-rank")
+    log = _run(tmp_path, 2, TINY + MLA[:at] + MLA[at + 2:] + ["--train-iters", "4",
+                                                              "--tensor-model-parallel-size", "2"])
+    _falls(_losses(log), 4)
+    counts = re.findall(r"number of parameters on \(tensor, .*?\) model parallel rank \((\d), .*?\): (\d+)", log)
+    assert sorted(counts) == [("0", "85632"), ("1", "85632")], log[-3000:]
+
+
 @pytest.fixture(scope="module")
 def mla_curves(tmp_path_factory):
     """MLA on one rank, 4 iterations: as Megatron-LM's defaults run it (--apply-rope-fusion), with

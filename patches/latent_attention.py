@@ -1,0 +1,28 @@
+"""Multi-latent attention without a query LoRA as DeepSeek defines it (adapter/latent_attention.py): megatron-core
+0.19's local GPT layer spec gets MLA layers that resolve that case as 0.16 - 0.18 build it (the plain query
+projection, the key/value latent's own norm) where 0.19 refuses it; the same spec serves the models' flow and
+Megatron-LM's ``pretrain_gpt.py`` (``--transformer-impl local``). Earlier releases need nothing: no entry.
+"""
+
+import functools
+
+from packaging.version import Version
+
+from adapter.registry import installed_megatron_core_version
+
+_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
+_RESOLVER_VERSIONS = ">=0.19,<=0.19.2"  # megatron-core 0.19.0 brought QKNormConfigResolver
+
+
+def _deepseek_queries(get_local_submodules):
+    from adapter import latent_attention  # imports megatron-core: only once the spec module is imported
+
+    return functools.wraps(get_local_submodules)(latent_attention.deepseek_queries_in(get_local_submodules))
+
+
+def register(registry, versions: str) -> None:
+    if Version(installed_megatron_core_version()) < Version("0.19"):
+        return
+    registry.wrap(f"{_SPECS}:get_gpt_layer_local_submodules", _deepseek_queries, versions=_RESOLVER_VERSIONS,
+                  reason="MLA without q_lora_rank in the local spec: DeepSeek's plain query projection and "
+                         "key/value latent norm, which 0.19's QK-norm resolver refuses (Megatron-Bridge #5261)")
