@@ -173,3 +173,21 @@ def test_megatron_lm_saves_megatron_fsdp_and_resumes_on_the_uninterrupted_curve(
     resumed = _losses(_run(tmp_path, "resumed", 2 * tp, [*flags, "--load", str(load)]))
     assert sorted(whole) == [1, 2, 3, 4, 5, 6] and sorted(resumed) == [3, 4, 5, 6]
     assert [resumed[i] for i in (3, 5, 6)] == [whole[i] for i in (3, 5, 6)]
+
+
+@pytest.mark.megatron_lm
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_megatron_lm_s_swiglu_split_megatron_fsdp_checkpoint_of_dp2_resumes_at_tp2(tmp_path):
+    """What the split is for: the fsdp_dtensor checkpoint of a --swiglu model saved at DP2 loads at TP2, where
+    each rank holds the gate and the up rows of its half of the fused ``linear_fc1``; the resumed losses are the
+    uninterrupted DP2 run's, within TP2's other order of summing."""
+    from tests.test_megatron_lm import _checkpoint_at, _losses, _run
+    from tests.test_megatron_lm_recipes import TINY
+
+    flags = [*TINY, *MEGATRON_FSDP]
+    whole = _losses(_run(tmp_path, "whole", 2, [*flags, "--save", "saved", "--save-interval", "2"]))
+    load = _checkpoint_at(tmp_path / "saved", 2, tmp_path / "at-2")
+    resumed = _losses(_run(tmp_path, "tp2", 2, [*flags, "--tensor-model-parallel-size", "2", "--load", str(load)]))
+    assert sorted(resumed) == [3, 4, 5, 6]
+    assert max(abs(float(resumed[i]) - float(whole[i])) for i in (3, 5, 6)) <= 1e-5
