@@ -7,7 +7,9 @@ type. The CUDA routing maps device strings of torch's factories, not a class's a
 megatron's modules see is this stand-in, which builds torch's own mesh on this backend's device type.
 Everything else of Megatron-FSDP (its buffers, streams and events) is answered by the CUDA routing. Its
 fsdp_dtensor checkpoint needs every rank's optimizer state to name the same parameters, which torch's AdamW
-(megatron's Adam without TE) does not do for empty shards: ``every_shard_in_optimizer_state``.
+(megatron's Adam without TE) does not do for empty shards: ``every_shard_in_optimizer_state``; Megatron-LM's
+split of a SwiGLU model's ``linear_fc1`` for that checkpoint must find its parameters in the module it is
+handed (on every backend): ``swiglu_split_finds_its_parameters``.
 
 torch FSDP2's torch_dist checkpoint needs two fixes that are not about the device (so they apply on every
 backend): megatron matches optimizer state to the model's sharded tensors by the id of each parameter's
@@ -116,6 +118,44 @@ def _empty_shard_states(optimizer):
                 elif fresh or key in state:
                     state[key] = value.clone() if torch.is_tensor(value) else value
             yield param, state
+
+
+def swiglu_split_finds_its_parameters(handle_swiglu):
+    """megatron's ``handle_swiglu_in_state_dict`` splits each SwiGLU ``linear_fc1`` of an fsdp_dtensor
+    checkpoint (the weight and its Adam moments) into its gate and up halves (``_w``, ``_v``), so that the
+    checkpoint reshards across TP and DP. It finds the parameter of a model key as ``module.<key>`` and of an
+    optimizer key as that key less its first ``module.``: names in megatron's FullyShardedDataParallel and in
+    the MegatronFSDP module inside it. Megatron-LM hands it the MegatronFSDP module (``unwrap_model`` peels only
+    the outer wrapper), where the first spelling names nothing: every save and load of a ``--swiglu`` model with
+    ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` stopped (AttributeError on every rank, CUDA too;
+    NVIDIA/Megatron-LM issues 2035 and 5265; megatron-core 0.16.1 to 0.19.2 and upstream main alike). It is
+    handed the model with a lookup that, where a name is not there, tries it without its first ``module.``:
+    both spellings find the parameter; a name the model has resolves as before."""
+
+    @functools.wraps(handle_swiglu)
+    def handle(model, model_state_dict, optimizer_state_dict):
+        return handle_swiglu(_PrefixTolerantLookup(model), model_state_dict, optimizer_state_dict)
+
+    return handle
+
+
+class _PrefixTolerantLookup:
+    """``model`` (every attribute its own), its ``get_parameter`` also answering a name with one wrapper
+    ``module.`` too many."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def get_parameter(self, target: str):
+        try:
+            return self._model.get_parameter(target)
+        except AttributeError:
+            if not target.startswith("module."):
+                raise
+            return self._model.get_parameter(target[len("module."):])
 
 
 def refuse_unready_fsdp(validate_args):

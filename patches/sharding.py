@@ -2,6 +2,7 @@
 its checkpoint's validation, and megatron's torch FSDP2 wrapper, build on ``"cuda"`` is built on this backend's
 device type; NCCL's pre-multiplied sum is a scale and a sum; the fsdp_dtensor optimizer state names every
 parameter on every rank, as with TE's FusedAdam, so its save and load issue the same collectives on every rank;
+the SwiGLU split of that checkpoint finds its parameters in the MegatronFSDP module Megatron-LM hands it;
 FSDP2's torch_dist save and resume (``adapter/sharding.py``)."""
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def register(registry, versions: str) -> None:
     registry.wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_param_state_fsdp_dtensor",
                   sharding.every_shard_in_optimizer_state, versions=versions,
                   reason="torch's AdamW has no state for an empty shard; megatron_fsdp gathers once per DTensor")
+    # every supported release has the lookup (0.16.1 .. 0.19.2; upstream main too): all of `versions`
+    registry.wrap("megatron.core.transformer.fsdp_dtensor_checkpoint:handle_swiglu_in_state_dict",
+                  sharding.swiglu_split_finds_its_parameters, versions=versions,
+                  reason="Megatron-LM hands the SwiGLU split MegatronFSDP, whose names lack a 'module.' it adds")
     registry.wrap("megatron.training.arguments:validate_args", sharding.refuse_unready_fsdp, versions=versions,
                   backends=OFF_CUDA, reason="Megatron-FSDP without einops: one line, not an assert per rank")
     _register_torch_fsdp2(registry, versions)

@@ -5,6 +5,8 @@ reports its losses and the bytes it holds."""
 
 from __future__ import annotations
 
+import argparse
+
 import adapter
 import torch
 import torch.distributed.checkpoint
@@ -58,8 +60,13 @@ def _build(run: Run, sharded: bool):
     """Seeded tiny GPT at TP ``run.tp``: in Megatron-FSDP if ``sharded``, else in DDP; its optimizer."""
     adapter.init_distributed()
     parallel_state.initialize_model_parallel(run.tp, 1)
-    torch.manual_seed(run.seed)
-    model_parallel_cuda_manual_seed(run.seed)
+    return _wrapped(run, sharded, run.seed)
+
+
+def _wrapped(run: Run, sharded: bool, seed: int):
+    """The tiny GPT of ``seed`` (on the groups that exist) wrapped as ``_build`` says; its optimizer."""
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
     flavor = models.get(run.flavor)
     config = transformer_config(flavor)
     model = build_model(flavor, config)
@@ -112,6 +119,47 @@ def train_from_checkpoint(run: Run, directory: str, start: int, stop: int) -> di
     torch.distributed.checkpoint.save(_fsdp_dtensor_state(chunk, optimizer, is_loading=False), checkpoint_id=directory)
     finish()
     return {"losses": losses, "kernels": kernels.current().__name__.rpartition(".")[2]}
+
+
+def _megatron_lm_fsdp_dtensor_state(chunk, optimizer, is_loading: bool) -> tuple[dict, dict]:
+    """Megatron-LM's fsdp_dtensor state dict of a ``--swiglu`` model, as its checkpointing prepares it
+    (``preprocess_fsdp_dtensor_state_dict``, handed the model ``unwrap_model`` leaves): each ``linear_fc1``
+    split into gate and up halves, views of the model's and optimizer's tensors. Returns it and the unsplit
+    state (what Megatron-LM hands ``load_state_dict`` after loading into the split one)."""
+    from megatron.core.utils import unwrap_model
+    from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
+
+    raw = {"model": chunk.state_dict_for_save_checkpoint()}
+    metadata = {"distrib_optim_sharding_type": "fsdp_dtensor", "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True,
+                "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    raw["optimizer"] = optimizer.sharded_state_dict(raw, is_loading=is_loading, metadata=metadata)
+    args = argparse.Namespace(swiglu=True, num_experts=None)
+    return preprocess_fsdp_dtensor_state_dict(args, raw, unwrap_model([chunk])[0]), dict(raw)
+
+
+def swiglu_split_resume(run: Run, directory: str, at: int) -> dict:
+    """Megatron-FSDP trains ``run.steps`` iterations, saving Megatron-LM's fsdp_dtensor checkpoint of its
+    SwiGLU model after ``at``; a model and optimizer of another seed load it as Megatron-LM does (into the
+    split state, then ``load_state_dict`` of the unsplit one) and train on. Returns both runs' losses after
+    ``at`` and the model keys of the checkpoint's ``linear_fc1``."""
+    flavor, chunk, optimizer = _build(run, True)
+    losses = []
+    for step in range(run.steps):
+        losses.append(train_step(run, flavor, [chunk], optimizer, step)[0])
+        if step + 1 == at:
+            torch.distributed.checkpoint.save(_megatron_lm_fsdp_dtensor_state(chunk, optimizer, False)[0],
+                                              checkpoint_id=directory)
+    _, fresh, fresh_optimizer = _wrapped(run, True, run.seed + 1)
+    split, raw = _megatron_lm_fsdp_dtensor_state(fresh, fresh_optimizer, True)
+    torch.distributed.checkpoint.load(split, checkpoint_id=directory)
+    fresh.load_state_dict(raw["model"])
+    fresh_optimizer.load_state_dict(raw["optimizer"])
+    resumed = [train_step(run, flavor, [fresh], fresh_optimizer, step)[0] for step in range(at, run.steps)]
+    finish()
+    metadata = torch.distributed.checkpoint.FileSystemReader(directory).read_metadata().state_dict_metadata
+    return {"uninterrupted": losses[at:], "resumed": resumed,
+            "fc1_keys": sorted(k for k in metadata if k.startswith("model.") and ".0.mlp.linear_fc1." in k)}
 
 
 def _fsdp2_bytes(chunk, optimizer) -> dict:

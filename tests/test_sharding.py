@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 
 import pytest
+import torch
 
 from adapter import sharding
 from adapter.cuda_only_features import RefusedSetting
@@ -19,7 +20,7 @@ from adapter.cuda_only_features import RefusedSetting
 from scripts.train_tiny_gpt import Run
 from tests.conftest import DOUBLES
 from tests.distributed import run_ranks
-from tests.sharding_ranks import fsdp2_resume, train, train_fsdp2, train_from_checkpoint
+from tests.sharding_ranks import fsdp2_resume, swiglu_split_resume, train, train_fsdp2, train_from_checkpoint
 
 
 def test_a_megatron_fsdp_run_without_einops_is_refused_in_one_line_naming_the_install(monkeypatch):
@@ -66,6 +67,33 @@ def test_megatron_fsdp_resumes_its_fsdp_dtensor_checkpoint_on_the_uninterrupted_
         for rank in run_ranks(2 * tp, train_from_checkpoint, run, directory, start, stop, env=env):
             assert rank["losses"] == {i: uninterrupted[i - 1] for i in range(start + 1, stop + 1)}
             assert rank["kernels"] == ("npu_provider" if env else "torch_provider")
+
+
+def test_the_swiglu_split_finds_a_parameter_under_either_wrapper_spelling_and_nothing_else():
+    """Megatron-LM hands ``handle_swiglu_in_state_dict`` the MegatronFSDP module (``module.<layers>``); it asks
+    for ``module.module.<layers>`` (the model state's key) and ``module.<layers>`` (the optimizer's)."""
+    fsdp = torch.nn.Module()
+    fsdp.module = torch.nn.Linear(2, 2)
+    model = sharding.swiglu_split_finds_its_parameters(lambda model, *state_dicts: model)(fsdp, {}, None)
+    assert model.get_parameter("module.module.weight") is model.get_parameter("module.weight") is fsdp.module.weight
+    assert model.module is fsdp.module and dict(model.named_modules()) == dict(fsdp.named_modules())
+    for missing in ("module.module.bias_w", "other.weight"):
+        with pytest.raises(AttributeError):
+            model.get_parameter(missing)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_megatron_lm_s_swiglu_split_checkpoint_of_megatron_fsdp_resumes_exactly(tmp_path):
+    """Megatron-LM's fsdp_dtensor save of a SwiGLU model (megatron.training's ``preprocess_fsdp_dtensor_state_dict``,
+    which the megatron-core wheel ships, handed the MegatronFSDP module as Megatron-LM hands it) at DP2: each
+    ``linear_fc1`` saved as its gate and up halves, and a model of another seed loading it resumes the
+    uninterrupted losses bit for bit (its weights and Adam moments back in the fused ``linear_fc1``)."""
+    for rank in run_ranks(2, swiglu_split_resume, Run(steps=4), str(tmp_path / "swiglu"), 2):
+        assert len(rank["resumed"]) == 2
+        assert rank["resumed"] == rank["uninterrupted"]
+        assert rank["fc1_keys"] == ["model.module.decoder.layers.0.mlp.linear_fc1.weight_v",
+                                    "model.module.decoder.layers.0.mlp.linear_fc1.weight_w"]
 
 
 # torch FSDP2 through megatron (--use-torch-fsdp2): megatron's TorchFullyShardedDataParallel, its device mesh on
@@ -126,19 +154,40 @@ MEGATRON_FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "op
 @pytest.mark.megatron_lm
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_lm_saves_megatron_fsdp_and_resumes_on_the_uninterrupted_curve(tp, tmp_path):
+@pytest.mark.parametrize("tp, swiglu", [(1, False), (2, False), (1, True), (2, True)],
+                         ids=["dp2", "tp2-dp2", "dp2-swiglu", "tp2-dp2-swiglu"])
+def test_megatron_lm_saves_megatron_fsdp_and_resumes_on_the_uninterrupted_curve(tp, swiglu, tmp_path):
     """Megatron-LM's flow at DP2 (and TP2 x DP2), 6 iterations saving every 2, then a run resumed from its
     checkpoint of 2: the uninterrupted losses at 3, 5 and 6 (Megatron-LM logs the mean of the first two
-    iterations after a restart as the second). Without --swiglu: Megatron-LM's fsdp_dtensor save of a SwiGLU
-    model fails on every backend (``handle_swiglu_in_state_dict`` asks the unwrapped model for
-    ``module.module.<key>``: NVIDIA/Megatron-LM issues 2035 and 5265)."""
+    iterations after a restart as the second). With --swiglu the save splits each ``linear_fc1`` into its gate
+    and up halves (``handle_swiglu_in_state_dict``, which Megatron-LM hands a model it cannot look the
+    parameters up in: NVIDIA/Megatron-LM issues 2035 and 5265), and the resumed run loads them back into the
+    fused weights and their Adam moments."""
     from tests.test_megatron_lm import _checkpoint_at, _losses, _run
     from tests.test_megatron_lm_recipes import TINY
 
-    flags = [*(arg for arg in TINY if arg != "--swiglu"), *MEGATRON_FSDP, "--tensor-model-parallel-size", str(tp)]
+    model = [arg for arg in TINY if swiglu or arg != "--swiglu"]
+    flags = [*model, *MEGATRON_FSDP, "--tensor-model-parallel-size", str(tp)]
     whole = _losses(_run(tmp_path, "whole", 2 * tp, [*flags, "--save", "saved", "--save-interval", "2"]))
     load = _checkpoint_at(tmp_path / "saved", 2, tmp_path / "at-2")
     resumed = _losses(_run(tmp_path, "resumed", 2 * tp, [*flags, "--load", str(load)]))
     assert sorted(whole) == [1, 2, 3, 4, 5, 6] and sorted(resumed) == [3, 4, 5, 6]
     assert [resumed[i] for i in (3, 5, 6)] == [whole[i] for i in (3, 5, 6)]
+
+
+@pytest.mark.megatron_lm
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_megatron_lm_s_swiglu_split_megatron_fsdp_checkpoint_of_dp2_resumes_at_tp2(tmp_path):
+    """What the split is for: the fsdp_dtensor checkpoint of a --swiglu model saved at DP2 loads at TP2, where
+    each rank holds the gate and the up rows of its half of the fused ``linear_fc1``; the resumed losses are the
+    uninterrupted DP2 run's, within TP2's other order of summing."""
+    from tests.test_megatron_lm import _checkpoint_at, _losses, _run
+    from tests.test_megatron_lm_recipes import TINY
+
+    flags = [*TINY, *MEGATRON_FSDP]
+    whole = _losses(_run(tmp_path, "whole", 2, [*flags, "--save", "saved", "--save-interval", "2"]))
+    load = _checkpoint_at(tmp_path / "saved", 2, tmp_path / "at-2")
+    resumed = _losses(_run(tmp_path, "tp2", 2, [*flags, "--tensor-model-parallel-size", "2", "--load", str(load)]))
+    assert sorted(resumed) == [3, 4, 5, 6]
+    assert max(abs(float(resumed[i]) - float(whole[i])) for i in (3, 5, 6)) <= 1e-5
