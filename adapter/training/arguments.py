@@ -238,12 +238,12 @@ def _sharded_data_parallel(g) -> None:
     """Megatron-LM's sharded data parallelism: Megatron-FSDP (megatron's FullyShardedDataParallel) and torch
     FSDP2 (megatron's TorchFullyShardedDataParallel), with Megatron-LM's companion flags and defaults."""
     g.add_argument("--use-megatron-fsdp", action="store_true",
-                   help="Megatron-FSDP in place of DDP (with the distributed optimizer, and --ckpt-format fsdp_dtensor)")
+                   help="Megatron-FSDP in place of DDP (with the distributed optimizer and --ckpt-format fsdp_dtensor)")
     g.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
-                   help="what Megatron-FSDP shards over data parallel: optimizer state, gradients, parameters")
+                   help="what Megatron-FSDP shards over the data-parallel ranks (default: all of them)")
     g.add_argument("--use-torch-fsdp2", action="store_true",
-                   help="torch FSDP2 (fully_shard over the data-parallel group) in place of DDP; torch_dist checkpoints")
+                   help="torch FSDP2 (fully_shard over the data-parallel group) in place of DDP; torch_dist saves")
     g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
                    dest="torch_fsdp2_reshard_after_forward",
                    help="FSDP2 keeps the gathered parameters from forward to backward (ZeRO-2)")

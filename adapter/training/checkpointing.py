@@ -271,9 +271,9 @@ def _read_common(args, checkpoint: Path) -> dict:
     refused in one line."""
     saved = fsdp_checkpoint.format_of(checkpoint)
     if saved != args.ckpt_format:
+        flags = "--use-megatron-fsdp --ckpt-format fsdp_dtensor" if saved == fsdp_checkpoint.FORMAT else "torch_dist"
         raise ArgumentError(f"--load {checkpoint}: a {saved} checkpoint, which a run with --ckpt-format "
-                            f"{args.ckpt_format} does not read: load it with the data parallelism that saved it "
-                            f"({'--use-megatron-fsdp ' if saved == fsdp_checkpoint.FORMAT else ''}--ckpt-format {saved})")
+                            f"{args.ckpt_format} does not read: load it as it was saved ({flags})")
     if saved == fsdp_checkpoint.FORMAT:
         return fsdp_checkpoint.read_plain(checkpoint)
     return checkpoint_dir.read_common(checkpoint)

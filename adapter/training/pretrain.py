@@ -182,6 +182,12 @@ def setup_model_and_optimizer(model_provider, model_type=ModelType.encoder_or_de
     return chunks, optimizer, scheduler
 
 
+# The modules FSDP2 shards one at a time (all-gathered just in time): megatron's default set less
+# ColumnParallelLinear, as megatron takes it for the local layer spec, which the adapter's spec is (the
+# layers' linears are inside their TransformerLayer's unit already).
+FSDP2_UNITS = {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding}
+
+
 def _wrap_for_data_parallel(args, chunks: list) -> list:
     """Each chunk in megatron's data-parallel wrapper, as Megatron-LM's get_model picks it: torch FSDP2
     (``TorchFullyShardedDataParallel``, --use-torch-fsdp2), Megatron-FSDP (``FullyShardedDataParallel``,
@@ -190,8 +196,8 @@ def _wrap_for_data_parallel(args, chunks: list) -> list:
     if args.use_torch_fsdp2:
         from megatron.core.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 
-        fsdp2_config = TorchFullyShardedDataParallelConfig(reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
-        return [TorchFullyShardedDataParallel(config, fsdp2_config, chunk, sub_modules_to_wrap=FSDP2_UNITS)
+        fsdp2 = TorchFullyShardedDataParallelConfig(reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+        return [TorchFullyShardedDataParallel(config, fsdp2, chunk, sub_modules_to_wrap=FSDP2_UNITS)
                 for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.params_dtype != torch.float32,
@@ -199,18 +205,10 @@ def _wrap_for_data_parallel(args, chunks: list) -> list:
         use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=args.ddp_bucket_size,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, use_megatron_fsdp=args.use_megatron_fsdp,
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy if args.use_megatron_fsdp else "no_shard")
-    if args.use_megatron_fsdp:
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-
-        return [FullyShardedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
-                for i, chunk in enumerate(chunks)]
-    return [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
-
-
-# The modules FSDP2 shards one at a time (all-gathered just in time): megatron's default set less
-# ColumnParallelLinear, as megatron takes it for the local layer spec, which the adapter's spec is (the
-# layers' linears are inside their TransformerLayer's unit already).
-FSDP2_UNITS = {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding}
+    wrapper = DistributedDataParallel
+    if args.use_megatron_fsdp:  # imports einops, which the arguments' check found
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel as wrapper
+    return [wrapper(config, ddp_config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
 
 
 def over_context_parallel(forward_step_func):
