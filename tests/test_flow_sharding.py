@@ -30,6 +30,8 @@ SAVED_AT = 7
 # the npu kernel provider on the CPU, over tests/doubles' torch_npu (as tests/test_sharding.py runs it)
 NPU_DOUBLE = {"ADAPTER_BACKEND": "cpu", "ADAPTER_KERNELS": "npu", "PYTHONPATH": str(DOUBLES)}
 
+pytestmark = pytest.mark.multiproc  # the reference fixture starts ranks
+
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
@@ -55,7 +57,6 @@ def _assert_reference_curve_and_exact_resume(losses: dict, resumed: dict, refere
     assert resumed == {i: losses[i] for i in range(SAVED_AT + 1, 11)}
 
 
-@pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", SHARDED)
 def test_the_flow_trains_the_distributed_optimizer_curve_sharded_and_resumes_exactly(kind, reference, tmp_path):
@@ -72,7 +73,6 @@ def test_the_flow_trains_the_distributed_optimizer_curve_sharded_and_resumes_exa
         assert abs(rank["optimizer_bytes"] - ddp["optimizer_bytes"]) <= 4096
 
 
-@pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, tp, env", [("megatron-fsdp", 2, None), ("torch-fsdp2", 1, NPU_DOUBLE)],
                          ids=["megatron-fsdp-tp2-dp2", "torch-fsdp2-dp2-npu-double"])

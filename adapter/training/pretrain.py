@@ -285,9 +285,9 @@ def parameters_synced(model: list):
     all-gather of what a step updated is deferred into the next step's forward (its pre-hooks wait for
     it), so after a step each data-parallel rank is fresh only in its own shard: evaluation and saves
     need every shard now. As Megatron-LM does: the hooks come off with a synchronous all-gather, and go
-    back on after."""
+    back on after. Megatron-FSDP gathers what each forward needs itself (Megatron-LM leaves its hooks on)."""
     args = global_vars.get_args()
-    if not (args.use_distributed_optimizer and args.overlap_param_gather):
+    if not (args.use_distributed_optimizer and args.overlap_param_gather) or args.use_megatron_fsdp:
         yield
         return
     for chunk in model:
