@@ -13,6 +13,10 @@ own. RNG states are per TP/PP rank (per DP rank too with EP > 1, where the exper
 differs between data-parallel ranks) and are restored only on the layout that saved them (as Megatron-LM
 does).
 
+With --use-megatron-fsdp the format is Megatron-FSDP's fsdp_dtensor (``fsdp_checkpoint``), written into the same
+``.partial`` directory and published the same way; with --use-torch-fsdp2 it is torch_dist, the model and
+optimizer read in place as Megatron-LM reads them for FSDP2.
+
 Across megatron-core releases: a checkpoint saved under 0.16.1 (its common state in common.pt) resumes under
 0.19, at its layout or another (tests/test_checkpoint_upgrade.py): 0.19 reads common.pt as its legacy form, and
 the optimizer state is saved per parameter, so the 0.18 rework of the gradient buffers does not reach it. One
@@ -271,7 +275,8 @@ def _read_common(args, checkpoint: Path) -> dict:
     refused in one line."""
     saved = fsdp_checkpoint.format_of(checkpoint)
     if saved != args.ckpt_format:
-        flags = "--use-megatron-fsdp --ckpt-format fsdp_dtensor" if saved == fsdp_checkpoint.FORMAT else "torch_dist"
+        flags = ("--use-megatron-fsdp --ckpt-format fsdp_dtensor" if saved == fsdp_checkpoint.FORMAT else
+                 "DDP or --use-torch-fsdp2, --ckpt-format torch_dist")
         raise ArgumentError(f"--load {checkpoint}: a {saved} checkpoint, which a run with --ckpt-format "
                             f"{args.ckpt_format} does not read: load it as it was saved ({flags})")
     if saved == fsdp_checkpoint.FORMAT:
