@@ -233,6 +233,22 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-backend", choices=["nccl", "gloo", "hccl"],
                    help="checked against the adapter's backend (which picks NCCL, HCCL or gloo by itself)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10)  # fractions too: 0.5 is 30 s
+    _sharded_data_parallel(g)
+
+
+def _sharded_data_parallel(g) -> None:
+    """Megatron-LM's sharded data parallelism: Megatron-FSDP (megatron's FullyShardedDataParallel) and torch
+    FSDP2 (megatron's TorchFullyShardedDataParallel), with Megatron-LM's companion flags and defaults."""
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="Megatron-FSDP in place of DDP (with the distributed optimizer and --ckpt-format fsdp_dtensor)")
+    g.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                   help="what Megatron-FSDP shards over the data-parallel ranks (default: all of them)")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="torch FSDP2 (fully_shard over the data-parallel group) in place of DDP; torch_dist saves")
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
+                   dest="torch_fsdp2_reshard_after_forward",
+                   help="FSDP2 keeps the gathered parameters from forward to backward (ZeRO-2)")
 
 
 def _training(parser: argparse.ArgumentParser) -> None:
@@ -318,7 +334,8 @@ def _checkpointing(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",
                    help="load the weights only and start at iteration 0")
-    g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
+    g.add_argument("--ckpt-format", choices=["torch_dist", "fsdp_dtensor"], default="torch_dist",
+                   help="fsdp_dtensor: Megatron-FSDP's (torch.distributed.checkpoint of its DTensors), which it needs")
     g.add_argument("--ckpt-fully-parallel-save", action="store_true",
                    help="the data-parallel replicas share the writing of a save (Megatron-LM's default; off by "
                         "default here)")
@@ -444,6 +461,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _check_virtual_pipeline(args)
     _check_context_parallel(args)
     _check_batches(args)
+    _check_sharded_data_parallel(args)
     _check_precision_and_overlap(args)
     _check_schedule(args)
     _check_data(args)
@@ -725,6 +743,48 @@ def _check_batches(args: argparse.Namespace) -> None:
         _require(args.num_micro_batches % pp == 0,
                  f"the interleaved schedule needs the number of micro-batches ({args.num_micro_batches}) to be "
                  f"a multiple of PP {pp}: change --global-batch-size")
+
+
+def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
+    """Megatron-LM's checks of --use-megatron-fsdp and --use-torch-fsdp2 (its ``validate_args``), each one
+    line. Megatron-FSDP runs with the distributed optimizer (switched on, as Megatron-LM does) and saves
+    fsdp_dtensor checkpoints, a format only it writes; FSDP2 shards the optimizer state itself (no distributed
+    optimizer), saves torch_dist, and needs untied embeddings and one pipeline stage and expert rank."""
+    mfsdp, fsdp2 = args.use_megatron_fsdp, args.use_torch_fsdp2
+    _require(not (mfsdp and fsdp2), "--use-megatron-fsdp and --use-torch-fsdp2 together: choose one")
+    _require(args.ckpt_format != "fsdp_dtensor" or mfsdp,
+             "--ckpt-format fsdp_dtensor is Megatron-FSDP's format: add --use-megatron-fsdp or use torch_dist")
+    if mfsdp:
+        _require(args.ckpt_format == "fsdp_dtensor", f"--use-megatron-fsdp with --ckpt-format {args.ckpt_format}: "
+                                                     "Megatron-FSDP requires --ckpt-format fsdp_dtensor")
+        _require(not (args.async_save or args.ckpt_fully_parallel_save or args.ckpt_fully_parallel_load),
+                 "--async-save and --ckpt-fully-parallel-save/load are torch_dist's: with --ckpt-format fsdp_dtensor "
+                 "every rank writes and reads its own shards synchronously; drop them")
+        args.use_distributed_optimizer = True
+        _require_einops(args)
+    if not fsdp2:
+        return
+    for bad, message in ((args.pipeline_model_parallel_size > 1, "pipeline parallelism (use PP 1)"),
+                         (args.expert_model_parallel_size > 1, "expert parallelism (use EP 1)"),
+                         (args.use_distributed_optimizer, "megatron's distributed optimizer (FSDP2 shards the "
+                                                          "optimizer state itself): drop --use-distributed-optimizer"),
+                         (args.gradient_accumulation_fusion, "gradient accumulation fusion: pass "
+                                                             "--no-gradient-accumulation-fusion"),
+                         (args.fp16, "--fp16 (Megatron-LM's FSDP2 does not run it): use --bf16"),
+                         (args.model_config.tie_embeddings, "tied embedding and output weights: pass "
+                                                            "--untie-embeddings-and-output-weights")):
+        _require(not bad, f"--use-torch-fsdp2 with {message}")
+
+
+def _require_einops(args: argparse.Namespace) -> None:
+    """Megatron-FSDP's mesh needs einops, which megatron-core does not install: the adapter's one line."""
+    from adapter import sharding
+    from adapter.cuda_only_features import RefusedSetting
+
+    try:
+        sharding.refuse_unready_fsdp(lambda checked: checked)(args)
+    except RefusedSetting as exc:
+        raise ArgumentError(str(exc)) from None
 
 
 def _check_precision_and_overlap(args: argparse.Namespace) -> None:

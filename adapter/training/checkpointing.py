@@ -13,6 +13,10 @@ own. RNG states are per TP/PP rank (per DP rank too with EP > 1, where the exper
 differs between data-parallel ranks) and are restored only on the layout that saved them (as Megatron-LM
 does).
 
+With --use-megatron-fsdp the format is Megatron-FSDP's fsdp_dtensor (``fsdp_checkpoint``), written into the same
+``.partial`` directory and published the same way; with --use-torch-fsdp2 it is torch_dist, the model and
+optimizer read in place as Megatron-LM reads them for FSDP2.
+
 Across megatron-core releases: a checkpoint saved under 0.16.1 (its common state in common.pt) resumes under
 0.19, at its layout or another (tests/test_checkpoint_upgrade.py): 0.19 reads common.pt as its legacy form, and
 the optimizer state is saved per parameter, so the 0.18 rework of the gradient buffers does not reach it. One
@@ -38,7 +42,8 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
-from adapter import checkpoint_writes, device
+from adapter import checkpoint_writes, device, sharding
+from adapter.training import fsdp_checkpoint
 from adapter.training.arguments import ArgumentError
 from adapter.training.shared_outcome import shared_outcome
 from models import checkpoint_dir
@@ -79,6 +84,9 @@ def _sharded_state(args, model: list, optimizer, scheduler, iteration: int, cons
     state = {"iteration": iteration, "checkpoint_version": checkpoint_dir.CHECKPOINT_VERSION,
              "consumed_train_samples": consumed["train"], "consumed_valid_samples": consumed["valid"],
              "layout": _layout(args)}
+    if args.ckpt_format == fsdp_checkpoint.FORMAT:
+        return fsdp_checkpoint.state_dict(state, model, optimizer, scheduler, _rng_state() if with_rng else None,
+                                          is_loading, with_optimizer)
     chunks = [chunk.module if hasattr(chunk, "module") else chunk for chunk in model]
     model_states = [chunk.sharded_state_dict() for chunk in chunks]
     if len(chunks) == 1:
@@ -129,9 +137,12 @@ def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, con
         if args.async_save:
             _schedule_async_save(state, partial, iteration, args)
             return final
-        with checkpoint_writes.results_in_process():  # synchronous: no Manager process for the results
-            # ends once every rank's files are written
-            dist_checkpointing.save(state, str(partial), sharded_strategy=_save_strategy(args))
+        if args.ckpt_format == fsdp_checkpoint.FORMAT:
+            fsdp_checkpoint.save(state, partial)
+        else:
+            with checkpoint_writes.results_in_process():  # synchronous: no Manager process for the results
+                # ends once every rank's files are written
+                dist_checkpointing.save(state, str(partial), sharded_strategy=_save_strategy(args))
         if rank == 0:
             checkpoint_dir.publish(partial, iteration)
     return final
@@ -259,6 +270,41 @@ def _saved_group(groups: list[dict], needed: dict) -> dict:
     raise ArgumentError(f"the checkpoint's optimizer has no param group for {wanted}: load it with --no-load-optim")
 
 
+def _read_common(args, checkpoint: Path) -> dict:
+    """The checkpoint's plain state, in the format this run loads (--ckpt-format); one in the other format is
+    refused in one line."""
+    saved = fsdp_checkpoint.format_of(checkpoint)
+    if saved != args.ckpt_format:
+        flags = ("--use-megatron-fsdp --ckpt-format fsdp_dtensor" if saved == fsdp_checkpoint.FORMAT else
+                 "DDP or --use-torch-fsdp2, --ckpt-format torch_dist")
+        raise ArgumentError(f"--load {checkpoint}: a {saved} checkpoint, which a run with --ckpt-format "
+                            f"{args.ckpt_format} does not read: load it as it was saved ({flags})")
+    if saved == fsdp_checkpoint.FORMAT:
+        return fsdp_checkpoint.read_plain(checkpoint)
+    return checkpoint_dir.read_common(checkpoint)
+
+
+def _load_model_and_optimizer(args, checkpoint: Path, state: dict, model: list, optimizer,
+                              with_optimizer: bool) -> dict:
+    """Read ``state`` from ``checkpoint`` and put it into the model and the optimizer; returns what was read.
+    As Megatron-LM: torch FSDP2's model and optimizer tensors are read in place, and only the optimizer's step,
+    which its ``load_state_dict`` would restore, is put back (``sharding.restore_saved_step``)."""
+    if args.ckpt_format == fsdp_checkpoint.FORMAT:
+        return fsdp_checkpoint.load(state, checkpoint, model, optimizer, with_optimizer)
+    loaded = dist_checkpointing.load(state, str(checkpoint), sharded_strategy=_load_strategy(args, checkpoint))
+    if args.use_torch_fsdp2:
+        if with_optimizer:
+            sharding.restore_saved_step(str(checkpoint), optimizer)
+        return loaded
+    chunks = [chunk.module if hasattr(chunk, "module") else chunk for chunk in model]
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded["model"] if len(chunks) == 1 else loaded[f"model{i}"])
+    if with_optimizer:
+        with torch.no_grad():  # megatron's loader copies into views of the parameters
+            optimizer.load_state_dict(_fit_optimizer_chain(loaded["optimizer"], optimizer, args))
+    return loaded
+
+
 def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]:
     """Load ``args.load`` (the latest iteration, or a converted release) into model, optimizer and
     scheduler; returns the iteration to continue from and the consumed samples."""
@@ -268,7 +314,7 @@ def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]
         if torch.distributed.get_rank() == 0:
             print(f"no checkpoint in {args.load}: training from scratch", flush=True)
         return 0, consumed
-    common = checkpoint_dir.read_common(checkpoint)
+    common = _read_common(args, checkpoint)
     release = checkpoint.name == checkpoint_dir.RELEASE
     weights_only = release or args.finetune
     same_layout = _same_rng_layout(common.get("layout", {}), args)
@@ -278,13 +324,8 @@ def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]
                            with_optimizer=with_optimizer, with_rng=with_rng)
     if weights_only:
         state = {k: v for k, v in state.items() if k == "model" or k.startswith("model")}
-    loaded = dist_checkpointing.load(state, str(checkpoint), sharded_strategy=_load_strategy(args, checkpoint))
-    chunks = [chunk.module if hasattr(chunk, "module") else chunk for chunk in model]
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded["model"] if len(chunks) == 1 else loaded[f"model{i}"])
+    loaded = _load_model_and_optimizer(args, checkpoint, state, model, optimizer, with_optimizer)
     if with_optimizer:
-        with torch.no_grad():  # megatron's loader copies into views of the parameters
-            optimizer.load_state_dict(_fit_optimizer_chain(loaded["optimizer"], optimizer, args))
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if with_rng:
         _set_rng_state(loaded["rng_state"])

@@ -2,7 +2,7 @@
 
 1. initialize: arguments (Megatron-LM's names), tokenizer, the adapter's process group (gloo / NCCL /
    HCCL), megatron's model-parallel groups, seeds, the micro-batch calculator;
-2. model (one chunk per virtual pipeline stage, wrapped in megatron-core's DDP), optimizer
+2. model (one chunk per virtual pipeline stage, wrapped in megatron-core's DDP, Megatron-FSDP or FSDP2), optimizer
    (``get_megatron_optimizer``, distributed when asked) and ``OptimizerParamScheduler``; ``--load``;
 3. train / valid / test data iterators from the dataset provider;
 4. train by iterations (``train_step``: zero grads, ``forward_backward_func``, optimizer step, scheduler
@@ -22,12 +22,15 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.enums import ModelType
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 import adapter
 from adapter.kernels import cuda_provider
@@ -143,7 +146,7 @@ def _moe_overrides(args) -> dict:
 
 
 def setup_model_and_optimizer(model_provider, model_type=ModelType.encoder_or_decoder):
-    """Model chunks (DDP-wrapped), optimizer and LR scheduler for the arguments."""
+    """Model chunks (wrapped for data parallelism), optimizer and LR scheduler for the arguments."""
     args = global_vars.get_args()
     if model_type != ModelType.encoder_or_decoder:
         raise ArgumentError(f"model type {model_type}: this flow trains decoder-only models")
@@ -155,14 +158,7 @@ def setup_model_and_optimizer(model_provider, model_type=ModelType.encoder_or_de
     # as Megatron-LM's get_model: modules built without a device (torch's norms, the kernel provider's)
     # start on the CPU whatever use_cpu_initialization says, so each chunk goes to this rank's device
     chunks = [chunk.to(adapter.device.torch_device()) for chunk in chunks]
-    config = chunks[0].config
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.params_dtype != torch.float32,
-        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=args.ddp_bucket_size,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
-    chunks = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
-              for i, chunk in enumerate(chunks)]
+    chunks = _wrap_for_data_parallel(args, chunks)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -185,6 +181,35 @@ def setup_model_and_optimizer(model_provider, model_type=ModelType.encoder_or_de
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
     return chunks, optimizer, scheduler
+
+
+# The modules FSDP2 shards one at a time (all-gathered just in time): megatron's default set less
+# ColumnParallelLinear, as megatron takes it for the local layer spec, which the adapter's spec is (the
+# layers' linears are inside their TransformerLayer's unit already).
+FSDP2_UNITS = {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding}
+
+
+def _wrap_for_data_parallel(args, chunks: list) -> list:
+    """Each chunk in megatron's data-parallel wrapper, as Megatron-LM's get_model picks it: torch FSDP2
+    (``TorchFullyShardedDataParallel``, --use-torch-fsdp2), Megatron-FSDP (``FullyShardedDataParallel``,
+    --use-megatron-fsdp, sharding what --data-parallel-sharding-strategy says), else DDP."""
+    config = chunks[0].config
+    if args.use_torch_fsdp2:
+        from megatron.core.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+
+        fsdp2 = TorchFullyShardedDataParallelConfig(reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+        return [TorchFullyShardedDataParallel(config, fsdp2, chunk, sub_modules_to_wrap=FSDP2_UNITS)
+                for chunk in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.params_dtype != torch.float32,
+        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=args.ddp_bucket_size,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, use_megatron_fsdp=args.use_megatron_fsdp,
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy if args.use_megatron_fsdp else "no_shard")
+    wrapper = DistributedDataParallel
+    if args.use_megatron_fsdp:  # imports einops, which the arguments' check found
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel as wrapper
+    return [wrapper(config, ddp_config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
 
 
 def over_context_parallel(forward_step_func):
@@ -261,9 +286,9 @@ def parameters_synced(model: list):
     all-gather of what a step updated is deferred into the next step's forward (its pre-hooks wait for
     it), so after a step each data-parallel rank is fresh only in its own shard: evaluation and saves
     need every shard now. As Megatron-LM does: the hooks come off with a synchronous all-gather, and go
-    back on after."""
+    back on after. Megatron-FSDP gathers what each forward needs itself (Megatron-LM leaves its hooks on)."""
     args = global_vars.get_args()
-    if not (args.use_distributed_optimizer and args.overlap_param_gather):
+    if not (args.use_distributed_optimizer and args.overlap_param_gather) or args.use_megatron_fsdp:
         yield
         return
     for chunk in model:

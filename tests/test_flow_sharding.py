@@ -1,0 +1,143 @@
+"""The flow (scripts/pretrain_gpt.py's ``pretrain``) with sharded data parallelism, as Megatron-LM runs it:
+``--use-megatron-fsdp`` (megatron's FullyShardedDataParallel, the distributed optimizer, fsdp_dtensor
+checkpoints) and ``--use-torch-fsdp2`` (megatron's TorchFullyShardedDataParallel, torch_dist checkpoints). Each
+trains the curve of DDP with the distributed optimizer (the reference: the same model, data and seed) while its
+ranks hold a shard of what DDP holds whole, and a run resumed from its checkpoint gives the uninterrupted run's
+losses bit for bit: at DP2 and TP2 x DP2 on the cpu backend, and with the npu kernel provider over the torch_npu
+double. Megatron-LM's checks of the flags are one line each (``validate_args``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapter.training.arguments import ArgumentError, parse_args, validate_args
+from tests.conftest import DOUBLES
+from tests.distributed import run_ranks
+from tests.flow_sharding_ranks import run_pretrain_measured
+from tests.pretrain_ranks import logged_losses, run_pretrain, stopped_at
+
+# untied: FSDP2 needs it (Megatron-LM's check), and one reference serves both
+BASE = ["--model", "qwen2.5-tiny", "--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
+        "--global-batch-size", "2", "--seq-length", "16", "--train-iters", "10", "--lr", "3e-3", "--min-lr", "3e-4",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data", "--log-interval", "1",
+        "--eval-interval", "1000", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--ddp-bucket-size", "4096", "--seed", "7"]
+DDP = ["--use-distributed-optimizer"]
+SHARDED = {"megatron-fsdp": ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
+           "torch-fsdp2": ["--use-torch-fsdp2"]}
+WRAPPERS = {"megatron-fsdp": "FullyShardedDataParallel", "torch-fsdp2": "TorchFullyShardedDataParallel"}
+SAVED_AT = 7
+# the npu kernel provider on the CPU, over tests/doubles' torch_npu (as tests/test_sharding.py runs it)
+NPU_DOUBLE = {"ADAPTER_BACKEND": "cpu", "ADAPTER_KERNELS": "npu", "PYTHONPATH": str(DOUBLES)}
+
+pytestmark = pytest.mark.multiproc  # the reference fixture starts ranks
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """DDP with the distributed optimizer at DP2: {iteration: loss}, and what rank 0 holds."""
+    ranks = run_ranks(2, run_pretrain_measured, [*BASE, *DDP])
+    return {"losses": logged_losses(ranks), "held": ranks[0]}
+
+
+def _train_save_and_resume(kind: str, tmp_path, tp: int = 1, env: dict | None = None):
+    """10 iterations of ``kind`` at TP ``tp`` x DP2 saving at SAVED_AT, then a run resumed from that checkpoint:
+    (the whole run's ranks, its losses, the resumed run's losses)."""
+    flags = [*BASE, *SHARDED[kind], "--tensor-model-parallel-size", str(tp)]
+    whole = run_ranks(2 * tp, run_pretrain_measured, [*flags, "--save", str(tmp_path / "saved"),
+                                                      "--save-interval", str(SAVED_AT)], env=env)
+    at = stopped_at(tmp_path / "saved", SAVED_AT, tmp_path / "at")
+    resumed = logged_losses(run_ranks(2 * tp, run_pretrain, [*flags, "--load", str(at)], env=env))
+    return whole, logged_losses(whole), resumed
+
+
+def _assert_reference_curve_and_exact_resume(losses: dict, resumed: dict, reference: dict) -> None:
+    assert sorted(losses) == list(range(1, 11))
+    assert max(abs(losses[i] - reference[i]) for i in losses) <= 1e-5, (losses, reference)
+    assert resumed == {i: losses[i] for i in range(SAVED_AT + 1, 11)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", SHARDED)
+def test_the_flow_trains_the_distributed_optimizer_curve_sharded_and_resumes_exactly(kind, reference, tmp_path):
+    """DP2: the reference curve within 1e-5 on half the parameter and gradient bytes (DP2 shards them, padded
+    to megatron's alignment), the optimizer state the distributed optimizer holds; resumed at 7, iterations
+    8-10 bit for bit."""
+    whole, losses, resumed = _train_save_and_resume(kind, tmp_path)
+    _assert_reference_curve_and_exact_resume(losses, resumed, reference["losses"])
+    ddp = reference["held"]
+    for rank in whole:
+        assert rank["wrapper"] == WRAPPERS[kind]
+        assert rank["param_bytes"] <= ddp["param_bytes"] / 2 + 4096
+        assert rank["grad_bytes"] <= ddp["grad_bytes"] / 2 + 4096
+        assert abs(rank["optimizer_bytes"] - ddp["optimizer_bytes"]) <= 4096
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, tp, env", [("megatron-fsdp", 2, None), ("torch-fsdp2", 1, NPU_DOUBLE)],
+                         ids=["megatron-fsdp-tp2-dp2", "torch-fsdp2-dp2-npu-double"])
+def test_the_flow_shards_with_tensor_parallelism_and_the_npu_kernels(kind, tp, env, reference, tmp_path):
+    """TP2 x DP2 (Megatron-FSDP's DTensors over a TP x DP mesh) and the npu kernel provider (FSDP2): the DP2
+    reference curve within 1e-5 (TP and the provider's kernels change the order of sums, not the model, data
+    or seed), and the exact resume."""
+    whole, losses, resumed = _train_save_and_resume(kind, tmp_path, tp, env)
+    _assert_reference_curve_and_exact_resume(losses, resumed, reference["losses"])
+    assert {(rank["wrapper"], rank["kernels"]) for rank in whole} == {
+        (WRAPPERS[kind], "npu_provider" if env else "torch_provider")}
+
+
+# Megatron-LM's checks of the flags (its validate_args), each one line: (arguments, the message's start)
+TINY = ["--model", "qwen2.5-tiny", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1",
+        "--lr", "1e-3", "--mock-data"]
+REFUSED = [
+    (["--use-megatron-fsdp", "--save", "ckpt"], "--use-megatron-fsdp with --ckpt-format torch_dist: Megatron-FSDP "
+                                                "requires --ckpt-format fsdp_dtensor"),
+    (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor is Megatron-FSDP's format: add "
+                                        "--use-megatron-fsdp or use torch_dist"),
+    (["--use-megatron-fsdp", "--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],
+     "--use-megatron-fsdp and --use-torch-fsdp2 together: choose one"),
+    (["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--async-save"],
+     "--async-save and --ckpt-fully-parallel-save/load are torch_dist's"),
+    (["--use-torch-fsdp2"], "--use-torch-fsdp2 with tied embedding and output weights: pass "
+                            "--untie-embeddings-and-output-weights"),
+    (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--use-distributed-optimizer"],
+     "--use-torch-fsdp2 with megatron's distributed optimizer (FSDP2 shards the optimizer state itself)"),
+    (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--pipeline-model-parallel-size", "2"],
+     "--use-torch-fsdp2 with pipeline parallelism (use PP 1)"),
+    (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--fp16"],
+     "--use-torch-fsdp2 with --fp16 (Megatron-LM's FSDP2 does not run it): use --bf16"),
+]
+
+
+@pytest.mark.parametrize("extra, message", REFUSED, ids=[m.split(":")[0][:40] for _, m in REFUSED])
+def test_megatron_lm_s_checks_of_sharded_data_parallelism_are_one_line(extra, message):
+    with pytest.raises(ArgumentError) as refused:
+        validate_args(parse_args([*TINY, *extra]), 2)
+    assert str(refused.value).startswith(message)
+    assert "\n" not in str(refused.value)
+
+
+def test_megatron_fsdp_takes_megatron_lm_s_defaults_and_the_distributed_optimizer():
+    """--data-parallel-sharding-strategy defaults to Megatron-LM's optim_grads_params; Megatron-FSDP runs
+    with the distributed optimizer, switched on as Megatron-LM does; FSDP2 reshards after forward unless told."""
+    args = validate_args(parse_args([*TINY, "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]), 2)
+    assert (args.data_parallel_sharding_strategy, args.use_distributed_optimizer) == ("optim_grads_params", True)
+    args = validate_args(parse_args([*TINY, "--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
+                                     "--torch-fsdp2-no-reshard-after-forward"]), 2)
+    assert (args.use_distributed_optimizer, args.torch_fsdp2_reshard_after_forward) == (False, False)
+
+
+@pytest.mark.parametrize("saved, loading", [("fsdp_dtensor", "torch_dist"), ("torch_dist", "fsdp_dtensor")])
+def test_a_checkpoint_of_the_other_format_is_refused_in_one_line(saved, loading, tmp_path):
+    """The format megatron's metadata.json names (torch_dist where megatron wrote it, fsdp_dtensor where the
+    flow's Megatron-FSDP save did) against the run's --ckpt-format, before any tensor is read."""
+    import argparse
+
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    from adapter.training.checkpointing import _read_common
+
+    save_config(CheckpointingConfig(sharded_backend=saved), str(tmp_path))
+    with pytest.raises(ArgumentError, match=f"^--load {tmp_path}: a {saved} checkpoint, which a run with "
+                                            f"--ckpt-format {loading} does not read: load it as it was saved"):
+        _read_common(argparse.Namespace(ckpt_format=loading), tmp_path)
