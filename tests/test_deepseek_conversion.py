@@ -19,7 +19,7 @@ import torch
 import models
 from models import checkpoint_dir, torch_dist_io
 from models import hf as hf_format
-from models.conversion import ConversionError, hf_to_mcore, mcore_to_hf
+from models.conversion import ConversionError, hf_to_mcore, mcore_to_hf, read_hf_config
 from tests.conversion_ranks import _tokens, hf_logits_of, megatron_logits_at_layouts
 from tests.deepseek_models import DEEPSEEK, mtp_reference_logits, save_tiny_deepseek
 from tests.distributed import ROOT, run_ranks
@@ -119,6 +119,28 @@ def test_the_mtp_layer_gives_deepseeks_mtp_output(converted):
     assert (ours[:, :-1] - reference).abs().max().item() < 1e-5
     # the reference is sharp: the main model's logits differ from the MTP layer's
     assert (hf_logits_of(str(hf_dir), model.vocab_size)[:, :-1] - reference).abs().max().item() > 1e-2
+
+
+def test_the_mtp_model_gives_transformers_logits_in_this_process(tmp_path):
+    """deepseek-v3-tiny's features (MLA with a query LoRA, YaRN, grouped sigmoid routing with bias, shared experts, an
+    MTP layer) in this process at TP1, from a checkpoint converted at TP1: a forward without labels gives
+    transformers' logits. CI's one MLA + MTP test on megatron-core 0.16.1, whose MLA took Transformer Engine's
+    stand-in for TE and whose MTP loss asked for labels (patches/latent_attention.py, multi_token_prediction.py)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from models.provider import make_model_provider
+    from models.verify import megatron_logits
+
+    hf_dir = save_tiny_deepseek("dsv3-qlora-yarn-mtp", tmp_path / "hf")
+    hf_to_mcore(hf_dir, tmp_path / "mcore", progress=False)
+    model = read_hf_config(hf_dir)[1]
+    with torch_dist_io.single_process_groups():
+        model_parallel_cuda_manual_seed(0)
+        gpt = make_model_provider(model, perform_initialization=False)(pre_process=True, post_process=True).eval()
+        torch_dist_io.load_model_weights([gpt], str(tmp_path / "mcore"))
+        ours = megatron_logits([gpt], _tokens(model.vocab_size), model)
+    assert model.mtp_num_layers == 1 and model.q_lora_rank and model.num_experts
+    assert (ours - hf_logits_of(str(hf_dir), model.vocab_size)).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("name", list(DEEPSEEK))

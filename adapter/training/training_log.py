@@ -101,9 +101,14 @@ class ExpertMetrics:
                     module.register_forward_hook(self._count)
 
     def _count(self, router, inputs, output) -> None:
-        if router.training and torch.is_grad_enabled() and not getattr(router, "is_mtp_layer", False):
+        if router.training and torch.is_grad_enabled() and not self._in_mtp_layer(router):
             routing_map = output[1]
             self.counts[router.layer_number - 1] += routing_map.sum(dim=0)
+
+    def _in_mtp_layer(self, router) -> bool:
+        """Whether ``router`` routes an MTP layer's tokens, which the load leaves out: 0.17+ flag it
+        (``is_mtp_layer``); 0.16 numbers the MTP layers on after the decoder's."""
+        return getattr(router, "is_mtp_layer", False) or router.layer_number > self.counts.shape[0]
 
     def track(self, iteration: int, writer) -> None:
         """After each training iteration, on every rank."""
