@@ -86,6 +86,18 @@ def test_the_flow_shards_with_tensor_parallelism_and_the_npu_kernels(kind, tp, e
         (WRAPPERS[kind], "npu_provider" if env else "torch_provider")}
 
 
+
+@pytest.mark.slow
+def test_megatron_fsdp_s_optim_strategy_without_overlap_trains_the_distributed_optimizer_curve(reference):
+    """ZeRO-1 (``optim``) without --overlap-grad-reduce: megatron_fsdp reduce-scatters the whole gradient buffer in
+    place in ``finish_grad_sync``; its backward hooks reduce-scatter the buckets as well where a ``no_sync``
+    context marked the last micro-batch. The flow once wired ``no_sync`` without overlap (Megatron-LM does not):
+    the second reduce-scatter of a buffer already half reduced gave gradient norms 20% low and a curve 3e-3 off."""
+    losses = logged_losses(run_ranks(2, run_pretrain, [*BASE, *SHARDED["megatron-fsdp"],
+                                                       "--data-parallel-sharding-strategy", "optim"]))
+    assert sorted(losses) == list(range(1, 11))
+    assert max(abs(losses[i] - reference["losses"][i]) for i in losses) <= 1e-5, (losses, reference["losses"])
+
 # Megatron-LM's checks of the flags (its validate_args), each one line: (arguments, the message's start)
 TINY = ["--model", "qwen2.5-tiny", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1",
         "--lr", "1e-3", "--mock-data"]

@@ -168,7 +168,11 @@ def setup_model_and_optimizer(model_provider, model_type=ModelType.encoder_or_de
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather, **offloading.optimizer_fields(args)), chunks)
     for chunk_config in {id(c.config): c.config for c in chunks}.values():
-        chunk_config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        # no_sync only with --overlap-grad-reduce, as Megatron-LM's train(): without overlap megatron reduces once,
+        # after backward; Megatron-FSDP's hooks would reduce again where no_sync marks the last micro-batch (twice
+        # in place: ``optim``'s gradients went wrong)
+        if args.overlap_grad_reduce:
+            chunk_config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
         chunk_config.finalize_model_grads_func = finalize_model_grads
         chunk_config.grad_scale_func = optimizer.scale_loss
         if args.overlap_param_gather:
