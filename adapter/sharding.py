@@ -227,19 +227,26 @@ def restore_saved_step(directory, optimizer) -> None:
             part._restore_common_per_param_step({"state": torch_state}, step)
 
 
-def torch_fsdp2_requirements_in_one_line(validate_args):
-    """Megatron-LM's ``validate_args`` asserts what torch FSDP2 needs (untied embedding and output weights,
-    torch_dist or torch_dcp checkpoints, no distributed optimizer, no pipeline or expert parallelism, no
-    fp16): a traceback on every rank. With ``--use-torch-fsdp2`` its FSDP assertions are said once for the
-    job instead, in Megatron-LM's own words (``adapter.run`` prints a RefusedSetting from rank 0)."""
+def fsdp_requirements_in_one_line(validate_args):
+    """Megatron-LM's ``validate_args`` asserts what its FSDPs need: torch FSDP2 untied embedding and output
+    weights, torch_dist or torch_dcp checkpoints, no distributed optimizer, no pipeline or expert parallelism,
+    no fp16; Megatron-FSDP ``--ckpt-format fsdp_dtensor``, which is Megatron-FSDP's alone. Each is a traceback on
+    every rank. With ``--use-torch-fsdp2``, ``--use-megatron-fsdp`` or ``--ckpt-format fsdp_dtensor`` its FSDP
+    assertions are said once for the job instead, in Megatron-LM's own words (``adapter.run`` prints a
+    RefusedSetting from rank 0)."""
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
         try:
             return validate_args(args, *rest, **kwargs)
         except AssertionError as exc:
-            if getattr(args, "use_torch_fsdp2", False) and "fsdp" in str(exc).lower():
+            if _asks_fsdp(args) and "fsdp" in str(exc).lower():
                 raise RefusedSetting(f"{exc} (Megatron-LM's check)") from None
             raise
 
     return validate
+
+
+def _asks_fsdp(args) -> bool:
+    return bool(getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False)
+                or getattr(args, "ckpt_format", None) == "fsdp_dtensor")

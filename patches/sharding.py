@@ -31,6 +31,9 @@ def register(registry, versions: str) -> None:
                   reason="Megatron-LM hands the SwiGLU split MegatronFSDP, whose names lack a 'module.' it adds")
     registry.wrap("megatron.training.arguments:validate_args", sharding.refuse_unready_fsdp, versions=versions,
                   backends=OFF_CUDA, reason="Megatron-FSDP without einops: one line, not an assert per rank")
+    registry.wrap("megatron.training.arguments:validate_args", sharding.fsdp_requirements_in_one_line,
+                  versions=versions, backends=OFF_CUDA,
+                  reason="Megatron-LM's FSDP assertions (untied embeddings, fsdp_dtensor): one line for the job")
     _register_torch_fsdp2(registry, versions)
 
 
@@ -46,6 +49,3 @@ def _register_torch_fsdp2(registry, versions: str) -> None:
     registry.wrap("megatron.training.checkpointing:load_checkpoint", sharding.fsdp2_resumes_adam_step,
                   versions=versions,
                   reason="FSDP2's in-place torch_dist load skips load_state_dict: torch Adam's step restored")
-    registry.wrap("megatron.training.arguments:validate_args", sharding.torch_fsdp2_requirements_in_one_line,
-                  versions=versions, backends=OFF_CUDA,
-                  reason="Megatron-LM's FSDP2 assertions (e.g. untied embeddings): one line for the job")

@@ -125,24 +125,35 @@ def test_torch_fsdp2_saves_torch_dist_and_resumes_exactly(tmp_path, bf16):
         assert rank["resumed"] == rank["uninterrupted"]
 
 
-def test_megatron_lm_s_fsdp2_assertions_are_one_line_for_the_job_and_others_pass_through():
+def test_megatron_lm_s_fsdp_assertions_are_one_line_for_the_job_and_others_pass_through():
     def megatron_lm_validate(args):  # its assertions raised as plain Python raises them (pytest rewrites asserts)
-        if not args.untie_embeddings_and_output_weights:
+        if args.use_torch_fsdp2 and not args.untie_embeddings_and_output_weights:
             raise AssertionError("--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
+        if args.use_megatron_fsdp and args.ckpt_format != "fsdp_dtensor":
+            raise AssertionError("Megatron-FSDP requires the `fsdp_dtensor` checkpointing format.")
+        if args.ckpt_format == "fsdp_dtensor" and not args.use_megatron_fsdp:
+            raise AssertionError("--ckpt-format fsdp_dtensor is only tested with Megatron FSDP.")
         if args.seq_length <= 0:
             raise AssertionError("seq_length must be positive")
         return "validated"
 
-    validate = sharding.torch_fsdp2_requirements_in_one_line(megatron_lm_validate)
+    def asked(**given):
+        values = dict(use_torch_fsdp2=False, use_megatron_fsdp=False, untie_embeddings_and_output_weights=True,
+                      ckpt_format="torch_dist", seq_length=64)
+        return argparse.Namespace(**{**values, **given})
+
+    validate = sharding.fsdp_requirements_in_one_line(megatron_lm_validate)
     with pytest.raises(RefusedSetting, match=r"^--use-torch-fsdp2 requires --untie-embeddings-and-output-weights "
                                              r"\(Megatron-LM's check\)$"):
-        validate(argparse.Namespace(use_torch_fsdp2=True, untie_embeddings_and_output_weights=False, seq_length=64))
+        validate(asked(use_torch_fsdp2=True, untie_embeddings_and_output_weights=False))
+    with pytest.raises(RefusedSetting, match=r"^Megatron-FSDP requires the `fsdp_dtensor` checkpointing format\. "):
+        validate(asked(use_megatron_fsdp=True))
+    with pytest.raises(RefusedSetting, match=r"^--ckpt-format fsdp_dtensor is only tested with Megatron FSDP"):
+        validate(asked(ckpt_format="fsdp_dtensor"))
     with pytest.raises(AssertionError, match="seq_length"):
-        validate(argparse.Namespace(use_torch_fsdp2=True, untie_embeddings_and_output_weights=True, seq_length=0))
-    with pytest.raises(AssertionError, match="untie"):  # without FSDP2 the assertion is Megatron-LM's own
-        validate(argparse.Namespace(use_torch_fsdp2=False, untie_embeddings_and_output_weights=False, seq_length=64))
-    assert validate(argparse.Namespace(use_torch_fsdp2=True, untie_embeddings_and_output_weights=True,
-                                       seq_length=64)) == "validated"
+        validate(asked(use_torch_fsdp2=True, seq_length=0))
+    assert validate(asked(use_torch_fsdp2=True)) == "validated"
+    assert validate(asked(use_megatron_fsdp=True, ckpt_format="fsdp_dtensor")) == "validated"
 
 
 # ---- Megatron-LM's own pretrain_gpt.py (needs the checkout) ----
