@@ -42,13 +42,13 @@ def reference() -> dict:
 
 def _train_save_and_resume(kind: str, tmp_path, tp: int = 1, env: dict | None = None):
     """10 iterations of ``kind`` at TP ``tp`` x DP2 saving at SAVED_AT, then a run resumed from that checkpoint:
-    (the whole run's ranks, its losses, the resumed run's losses)."""
+    (the whole run's ranks, its losses, the resumed run's losses, the checkpoint)."""
     flags = [*BASE, *SHARDED[kind], "--tensor-model-parallel-size", str(tp)]
     whole = run_ranks(2 * tp, run_pretrain_measured, [*flags, "--save", str(tmp_path / "saved"),
                                                       "--save-interval", str(SAVED_AT)], env=env)
     at = stopped_at(tmp_path / "saved", SAVED_AT, tmp_path / "at")
     resumed = logged_losses(run_ranks(2 * tp, run_pretrain, [*flags, "--load", str(at)], env=env))
-    return whole, logged_losses(whole), resumed
+    return whole, logged_losses(whole), resumed, at
 
 
 def _assert_reference_curve_and_exact_resume(losses: dict, resumed: dict, reference: dict) -> None:
@@ -63,7 +63,7 @@ def test_the_flow_trains_the_distributed_optimizer_curve_sharded_and_resumes_exa
     """DP2: the reference curve within 1e-5 on half the parameter and gradient bytes (DP2 shards them, padded
     to megatron's alignment), the optimizer state the distributed optimizer holds; resumed at 7, iterations
     8-10 bit for bit."""
-    whole, losses, resumed = _train_save_and_resume(kind, tmp_path)
+    whole, losses, resumed, _ = _train_save_and_resume(kind, tmp_path)
     _assert_reference_curve_and_exact_resume(losses, resumed, reference["losses"])
     ddp = reference["held"]
     for rank in whole:
@@ -79,11 +79,27 @@ def test_the_flow_trains_the_distributed_optimizer_curve_sharded_and_resumes_exa
 def test_the_flow_shards_with_tensor_parallelism_and_the_npu_kernels(kind, tp, env, reference, tmp_path):
     """TP2 x DP2 (Megatron-FSDP's DTensors over a TP x DP mesh) and the npu kernel provider (FSDP2): the DP2
     reference curve within 1e-5 (TP and the provider's kernels change the order of sums, not the model, data
-    or seed), and the exact resume."""
-    whole, losses, resumed = _train_save_and_resume(kind, tmp_path, tp, env)
+    or seed), and the exact resume. Megatron-FSDP's checkpoint of TP2 x DP2 resumes at DP2 (TP1) on the curve:
+    its SwiGLU ``linear_fc1`` saved as Megatron-LM saves it, gate and up halves apart (the fused rows of a TP
+    rank are its gate rows, then its up rows, so the fused tensor is not one tensor across TP ranks)."""
+    whole, losses, resumed, at = _train_save_and_resume(kind, tmp_path, tp, env)
     _assert_reference_curve_and_exact_resume(losses, resumed, reference["losses"])
     assert {(rank["wrapper"], rank["kernels"]) for rank in whole} == {
         (WRAPPERS[kind], "npu_provider" if env else "torch_provider")}
+    if kind == "megatron-fsdp":
+        saved = tmp_path / "saved" / f"iter_{SAVED_AT:07d}"
+        assert _fc1_keys(saved, "model.module.decoder.layers.0.") == ["linear_fc1.weight_v", "linear_fc1.weight_w"]
+        at_dp2 = logged_losses(run_ranks(2, run_pretrain, [*BASE, *SHARDED[kind], "--load", str(at)]))
+        assert sorted(at_dp2) == list(range(SAVED_AT + 1, 11))
+        assert max(abs(at_dp2[i] - losses[i]) for i in at_dp2) <= 1e-5, (at_dp2, losses)
+
+
+def _fc1_keys(checkpoint, layer: str) -> list[str]:
+    """The model keys of ``layer``'s ``linear_fc1`` that the checkpoint holds."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return sorted(key[len(layer) + len("mlp."):] for key in saved if key.startswith(f"{layer}mlp.linear_fc1"))
 
 
 # Megatron-LM's checks of the flags (its validate_args), each one line: (arguments, the message's start)
