@@ -88,18 +88,35 @@ def test_the_flow_shards_with_tensor_parallelism_and_the_npu_kernels(kind, tp, e
         (WRAPPERS[kind], "npu_provider" if env else "torch_provider")}
     if kind == "megatron-fsdp":
         saved = tmp_path / "saved" / f"iter_{SAVED_AT:07d}"
-        assert _fc1_keys(saved, "model.module.decoder.layers.0.") == ["linear_fc1.weight_v", "linear_fc1.weight_w"]
+        assert _fc1_keys(saved, "model.module.decoder.layers.0.mlp.") == ["linear_fc1.weight_v", "linear_fc1.weight_w"]
         at_dp2 = logged_losses(run_ranks(2, run_pretrain, [*BASE, *SHARDED[kind], "--load", str(at)]))
         assert sorted(at_dp2) == list(range(SAVED_AT + 1, 11))
         assert max(abs(at_dp2[i] - losses[i]) for i in at_dp2) <= 1e-5, (at_dp2, losses)
 
 
-def _fc1_keys(checkpoint, layer: str) -> list[str]:
-    """The model keys of ``layer``'s ``linear_fc1`` that the checkpoint holds."""
+def _fc1_keys(checkpoint, prefix: str) -> list[str]:
+    """The keys of the ``linear_fc1`` under ``prefix`` that the checkpoint holds, less ``prefix``."""
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    return sorted(key[len(layer) + len("mlp."):] for key in saved if key.startswith(f"{layer}mlp.linear_fc1"))
+    return sorted(key[len(prefix):] for key in saved if key.startswith(f"{prefix}linear_fc1"))
+
+
+@pytest.mark.slow
+def test_a_moe_model_under_megatron_fsdp_saves_its_experts_split_and_resumes_exactly(tmp_path):
+    """A SwiGLU MoE model (8 experts, EP1) at DP2, each rank holding four experts whole and none of the others:
+    saved at 2 with every expert's ``linear_fc1`` (weight and Adam moments) split as Megatron-LM splits it, under
+    its global index, and resumed on the uninterrupted losses bit for bit."""
+    flags = [*BASE, *SHARDED["megatron-fsdp"], "--model", "gpt-tiny-moe", "--train-iters", "4"]
+    whole = logged_losses(run_ranks(2, run_pretrain, [*flags, "--save", str(tmp_path / "saved"),
+                                                      "--save-interval", "2"]))
+    at = stopped_at(tmp_path / "saved", 2, tmp_path / "at")
+    resumed = logged_losses(run_ranks(2, run_pretrain, [*flags, "--load", str(at)]))
+    assert sorted(whole) == [1, 2, 3, 4]
+    assert resumed == {3: whole[3], 4: whole[4]}
+    experts = "model.module.decoder.layers.1.mlp.experts.local_experts"
+    assert [_fc1_keys(at / "iter_0000002", f"{experts}.{i}.") for i in (0, 7)] == [
+        ["linear_fc1.weight_v", "linear_fc1.weight_w"]] * 2
 
 
 # Megatron-LM's checks of the flags (its validate_args), each one line: (arguments, the message's start)
