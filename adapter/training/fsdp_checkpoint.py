@@ -25,13 +25,16 @@ from megatron.core.dist_checkpointing.core import CheckpointingConfig, maybe_loa
 FORMAT = "fsdp_dtensor"
 # the plain values of a checkpoint (adapter.training.checkpointing's), read before the model is loaded
 PLAIN = ("iteration", "checkpoint_version", "consumed_train_samples", "consumed_valid_samples", "layout")
+# the RNG states under Megatron-LM's names (its get_rng_state's), keyed by the flow's (checkpointing._rng_state)
+RNG_NAMES = {"random": "random_rng_state", "numpy": "np_rng_state", "torch": "torch_rng_state",
+             "device": "cuda_rng_state", "tracker": "rng_tracker_states"}
 
 
 def state_dict(plain: dict, model: list, optimizer, scheduler, rng, is_loading: bool, with_optimizer: bool) -> dict:
     """What an fsdp_dtensor checkpoint holds before Megatron-LM's preparation (``_prepared``): ``plain``, each
     chunk's DTensors, the optimizer's and the scheduler's state with ``with_optimizer``, the RNG ShardedObject
-    ``rng``'s states under its rank's key, ``"(pp, tp)"`` as Megatron-LM's (torch writes every rank's plain
-    values, one copy per key). A load fills it in place."""
+    ``rng``'s states under its rank's key, ``"(pp, tp)"``, and Megatron-LM's names (torch writes every rank's
+    plain values, one copy per key). A load fills it in place."""
     state = dict(plain)
     chunks = [chunk.state_dict_for_save_checkpoint() for chunk in model]
     state.update({"model": chunks[0]} if len(chunks) == 1 else {f"model{i}": c for i, c in enumerate(chunks)})
@@ -42,7 +45,7 @@ def state_dict(plain: dict, model: list, optimizer, scheduler, rng, is_loading: 
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if rng is not None:
-        state["rng_state"] = {str(rng.global_offset): rng.data}
+        state["rng_state"] = {str(rng.global_offset): [{RNG_NAMES[k]: v for k, v in s.items()} for s in rng.data]}
     return state
 
 
@@ -94,7 +97,8 @@ def load(state: dict, directory: Path, model: list, optimizer, with_optimizer: b
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
     if "rng_state" in loaded:  # this rank's, as the torch_dist format's ShardedObject gives it back
-        [loaded["rng_state"]] = loaded["rng_state"].values()
+        [states] = loaded["rng_state"].values()
+        loaded["rng_state"] = [{k: s[name] for k, name in RNG_NAMES.items()} for s in states]
     return loaded
 
 
