@@ -90,6 +90,7 @@ def load(state: dict, directory: Path, model: list, optimizer, with_optimizer: b
     halves are views of ``state``'s fused tensors), then the model chunks and, with ``with_optimizer``, the
     optimizer load ``state``'s; returns what was read, its RNG states this rank's."""
     prepared = _prepared(state, model, model_config)
+    _refuse_missing(prepared, directory)
     dcp.load(prepared, checkpoint_id=str(directory))
     loaded = {**prepared, **{key: state[key] for key in state if key == "optimizer" or key.startswith("model")}}
     for i, chunk in enumerate(model):
@@ -100,6 +101,27 @@ def load(state: dict, directory: Path, model: list, optimizer, with_optimizer: b
         [states] = loaded["rng_state"].values()
         loaded["rng_state"] = [{k: s[name] for k, name in RNG_NAMES.items()} for s in states]
     return loaded
+
+
+def _refuse_missing(prepared: dict, directory: Path) -> None:
+    """One line where the checkpoint lacks tensors this run reads (torch's strict load would raise its own
+    traceback on every rank): another model's checkpoint, or the flow's from before it split a SwiGLU
+    ``linear_fc1`` as Megatron-LM does (its fused ``linear_fc1.weight``)."""
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import flatten_state_dict
+
+    from adapter.training.arguments import ArgumentError
+
+    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    # tensors: every other value torch keeps whole where it holds no tensor (a list of numbers), megatron flattens
+    missing = sorted(key for key, value in flatten_state_dict(prepared).items()
+                     if torch.is_tensor(value) and key not in saved)
+    if missing:
+        fused = any(key.endswith("linear_fc1.weight_w") and key[:-2] in saved for key in missing)
+        why = ("it holds SwiGLU's linear_fc1 fused, as the flow saved it before splitting it as Megatron-LM does: "
+               "resume it with that version of the flow, at its layout" if fused else
+               "it was saved by another model or flow: load it with the model and flags that saved it")
+        raise ArgumentError(f"--load {directory}: the checkpoint lacks {len(missing)} of the entries this run "
+                            f"reads (e.g. {missing[0]}): {why}")
 
 
 def read_plain(directory: Path) -> dict:
