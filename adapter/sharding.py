@@ -81,14 +81,21 @@ def every_shard_in_optimizer_state(sharded_param_state):
     torch's save, and the other rank waited forever in ``_update_offsets_and_cumulative_shape``'s
     ``all_gather_object`` (a load would hang the same way). Here such a parameter gets the state TE's FusedAdam
     gives it: empty tensors, and a step, the one its group's other parameters have, so that every rank writes the
-    same value under the same name (a resumed run's second save included). Where every parameter has its state
-    already (TE), nothing changes."""
+    same value under the same name (a resumed run's second save included). The states are in the optimizer's
+    parameter order on every rank, as TE's FusedAdam makes them: torch's AdamW makes them in the order gradients
+    first came, which differs between ranks (at EP1 under DP2, each rank's own experts first), and megatron's
+    SwiGLU split of this state (``handle_swiglu_in_state_dict``) gathers once per ``linear_fc1`` in the order it
+    finds them, so a MoE model's save paired one rank's expert with another's. Where every parameter has its
+    state already (TE), nothing changes."""
 
     @functools.wraps(sharded_param_state)
     def sharded(self, is_loading=False):
         state_dict = sharded_param_state(self, is_loading)
         for param, state in _empty_shard_states(self.optimizer):
             state_dict["state"][self._param_name(param)] = state
+        params = [self._param_name(p) for group in self.optimizer.param_groups for p in group["params"]]
+        state = state_dict["state"]
+        state_dict["state"] = {**{name: state[name] for name in params if name in state}, **state}
         return state_dict
 
     return sharded

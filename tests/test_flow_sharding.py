@@ -42,13 +42,13 @@ def reference() -> dict:
 
 def _train_save_and_resume(kind: str, tmp_path, tp: int = 1, env: dict | None = None):
     """10 iterations of ``kind`` at TP ``tp`` x DP2 saving at SAVED_AT, then a run resumed from that checkpoint:
-    (the whole run's ranks, its losses, the resumed run's losses)."""
+    (the whole run's ranks, its losses, the resumed run's losses, the checkpoint)."""
     flags = [*BASE, *SHARDED[kind], "--tensor-model-parallel-size", str(tp)]
     whole = run_ranks(2 * tp, run_pretrain_measured, [*flags, "--save", str(tmp_path / "saved"),
                                                       "--save-interval", str(SAVED_AT)], env=env)
     at = stopped_at(tmp_path / "saved", SAVED_AT, tmp_path / "at")
     resumed = logged_losses(run_ranks(2 * tp, run_pretrain, [*flags, "--load", str(at)], env=env))
-    return whole, logged_losses(whole), resumed
+    return whole, logged_losses(whole), resumed, at
 
 
 def _assert_reference_curve_and_exact_resume(losses: dict, resumed: dict, reference: dict) -> None:
@@ -63,7 +63,7 @@ def test_the_flow_trains_the_distributed_optimizer_curve_sharded_and_resumes_exa
     """DP2: the reference curve within 1e-5 on half the parameter and gradient bytes (DP2 shards them, padded
     to megatron's alignment), the optimizer state the distributed optimizer holds; resumed at 7, iterations
     8-10 bit for bit."""
-    whole, losses, resumed = _train_save_and_resume(kind, tmp_path)
+    whole, losses, resumed, _ = _train_save_and_resume(kind, tmp_path)
     _assert_reference_curve_and_exact_resume(losses, resumed, reference["losses"])
     ddp = reference["held"]
     for rank in whole:
@@ -79,11 +79,44 @@ def test_the_flow_trains_the_distributed_optimizer_curve_sharded_and_resumes_exa
 def test_the_flow_shards_with_tensor_parallelism_and_the_npu_kernels(kind, tp, env, reference, tmp_path):
     """TP2 x DP2 (Megatron-FSDP's DTensors over a TP x DP mesh) and the npu kernel provider (FSDP2): the DP2
     reference curve within 1e-5 (TP and the provider's kernels change the order of sums, not the model, data
-    or seed), and the exact resume."""
-    whole, losses, resumed = _train_save_and_resume(kind, tmp_path, tp, env)
+    or seed), and the exact resume. Megatron-FSDP's checkpoint of TP2 x DP2 resumes at DP2 (TP1) on the curve:
+    its SwiGLU ``linear_fc1`` saved as Megatron-LM saves it, gate and up halves apart (the fused rows of a TP
+    rank are its gate rows, then its up rows, so the fused tensor is not one tensor across TP ranks)."""
+    whole, losses, resumed, at = _train_save_and_resume(kind, tmp_path, tp, env)
     _assert_reference_curve_and_exact_resume(losses, resumed, reference["losses"])
     assert {(rank["wrapper"], rank["kernels"]) for rank in whole} == {
         (WRAPPERS[kind], "npu_provider" if env else "torch_provider")}
+    if kind == "megatron-fsdp":
+        saved = tmp_path / "saved" / f"iter_{SAVED_AT:07d}"
+        assert _fc1_keys(saved, "model.module.decoder.layers.0.mlp.") == ["linear_fc1.weight_v", "linear_fc1.weight_w"]
+        at_dp2 = logged_losses(run_ranks(2, run_pretrain, [*BASE, *SHARDED[kind], "--load", str(at)]))
+        assert sorted(at_dp2) == list(range(SAVED_AT + 1, 11))
+        assert max(abs(at_dp2[i] - losses[i]) for i in at_dp2) <= 1e-5, (at_dp2, losses)
+
+
+def _fc1_keys(checkpoint, prefix: str) -> list[str]:
+    """The keys of the ``linear_fc1`` under ``prefix`` that the checkpoint holds, less ``prefix``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return sorted(key[len(prefix):] for key in saved if key.startswith(f"{prefix}linear_fc1"))
+
+
+@pytest.mark.slow
+def test_a_moe_model_under_megatron_fsdp_saves_its_experts_split_and_resumes_exactly(tmp_path):
+    """A SwiGLU MoE model (8 experts, EP1) at DP2, each rank holding four experts whole and none of the others:
+    saved at 2 with every expert's ``linear_fc1`` (weight and Adam moments) split as Megatron-LM splits it, under
+    its global index, and resumed on the uninterrupted losses bit for bit."""
+    flags = [*BASE, *SHARDED["megatron-fsdp"], "--model", "gpt-tiny-moe", "--train-iters", "4"]
+    whole = logged_losses(run_ranks(2, run_pretrain, [*flags, "--save", str(tmp_path / "saved"),
+                                                      "--save-interval", "2"]))
+    at = stopped_at(tmp_path / "saved", 2, tmp_path / "at")
+    resumed = logged_losses(run_ranks(2, run_pretrain, [*flags, "--load", str(at)]))
+    assert sorted(whole) == [1, 2, 3, 4]
+    assert resumed == {3: whole[3], 4: whole[4]}
+    experts = "model.module.decoder.layers.1.mlp.experts.local_experts"
+    assert [_fc1_keys(at / "iter_0000002", f"{experts}.{i}.") for i in (0, 7)] == [
+        ["linear_fc1.weight_v", "linear_fc1.weight_w"]] * 2
 
 
 
@@ -153,3 +186,31 @@ def test_a_checkpoint_of_the_other_format_is_refused_in_one_line(saved, loading,
     with pytest.raises(ArgumentError, match=f"^--load {tmp_path}: a {saved} checkpoint, which a run with "
                                             f"--ckpt-format {loading} does not read: load it as it was saved"):
         _read_common(argparse.Namespace(ckpt_format=loading), tmp_path)
+
+
+FC1 = "module.decoder.layers.0.mlp.linear_fc1."
+LACKING = [  # what a run reads from a checkpoint holding FC1's weight fused: (entries, the first lacking, why)
+    ([f"{FC1}weight_w", f"{FC1}weight_v"], f"model.{FC1}weight_v",
+     "it holds SwiGLU's linear_fc1 fused, as the flow saved it before splitting it as Megatron-LM does: resume it "
+     "with that version of the flow, at its layout"),
+    ([f"{FC1}weight", "module.output_layer.weight"], "model.module.output_layer.weight",
+     "it was saved by another model or flow: load it with the model and flags that saved it"),
+]
+
+
+@pytest.mark.parametrize("reads, first, why", LACKING, ids=["swiglu-fused", "another-model"])
+def test_a_checkpoint_lacking_what_the_run_reads_is_refused_in_one_line(reads, first, why, tmp_path):
+    """The flow's checkpoint of a SwiGLU model from before it split ``linear_fc1`` as Megatron-LM does (saved
+    fused), read by a run that reads the gate and up halves, and another model's checkpoint: one line naming
+    the checkpoint, an entry it lacks and the way out, before torch reads anything."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from adapter.training import fsdp_checkpoint
+
+    dcp.save({"model": {f"{FC1}weight": torch.zeros(4, 2)}}, checkpoint_id=str(tmp_path))
+    lacking = sum(key != f"{FC1}weight" for key in reads)
+    with pytest.raises(ArgumentError) as refused:
+        fsdp_checkpoint._refuse_missing({"model": {key: torch.zeros(2, 2) for key in reads}}, tmp_path)
+    assert str(refused.value) == (f"--load {tmp_path}: the checkpoint lacks {lacking} of the entries this run reads "
+                                  f"(e.g. {first}): {why}")

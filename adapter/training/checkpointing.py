@@ -138,7 +138,7 @@ def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, con
             _schedule_async_save(state, partial, iteration, args)
             return final
         if args.ckpt_format == fsdp_checkpoint.FORMAT:
-            fsdp_checkpoint.save(state, partial)
+            fsdp_checkpoint.save(state, partial, model, args.model_config)
         else:
             with checkpoint_writes.results_in_process():  # synchronous: no Manager process for the results
                 # ends once every rank's files are written
@@ -290,7 +290,7 @@ def _load_model_and_optimizer(args, checkpoint: Path, state: dict, model: list, 
     As Megatron-LM: torch FSDP2's model and optimizer tensors are read in place, and only the optimizer's step,
     which its ``load_state_dict`` would restore, is put back (``sharding.restore_saved_step``)."""
     if args.ckpt_format == fsdp_checkpoint.FORMAT:
-        return fsdp_checkpoint.load(state, checkpoint, model, optimizer, with_optimizer)
+        return fsdp_checkpoint.load(state, checkpoint, model, optimizer, with_optimizer, args.model_config)
     loaded = dist_checkpointing.load(state, str(checkpoint), sharded_strategy=_load_strategy(args, checkpoint))
     if args.use_torch_fsdp2:
         if with_optimizer:

@@ -2,7 +2,10 @@
 wrapped model's DTensors (``state_dict_for_save_checkpoint``), the distributed optimizer's state one DTensor per
 parameter (its ``fsdp_dtensor`` sharding), prepared for uneven shards by megatron_fsdp
 (``preprocess_state_dict_for_uneven_dtensor``), through ``torch.distributed.checkpoint``; the plain values
-(iteration, consumed samples, scheduler) beside them, the RNG states under their (PP, TP) rank.
+(iteration, consumed samples, scheduler) beside them, the RNG states under their (PP, TP) rank. Before torch
+reads or writes it, it is prepared as Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` prepares it, with
+the same megatron-core steps (``_prepared``): a SwiGLU ``linear_fc1`` is saved as its gate and up halves, so a
+checkpoint saved at one TP x DP resumes at another.
 
 It keeps the flow's checkpoint layout and its guarantee (``adapter.training.checkpointing``): every rank writes
 into the ``.partial`` directory, and rank 0 publishes it. torch writes ``.metadata`` once every rank's shards
@@ -22,16 +25,16 @@ from megatron.core.dist_checkpointing.core import CheckpointingConfig, maybe_loa
 FORMAT = "fsdp_dtensor"
 # the plain values of a checkpoint (adapter.training.checkpointing's), read before the model is loaded
 PLAIN = ("iteration", "checkpoint_version", "consumed_train_samples", "consumed_valid_samples", "layout")
+# the RNG states under Megatron-LM's names (its get_rng_state's), keyed by the flow's (checkpointing._rng_state)
+RNG_NAMES = {"random": "random_rng_state", "numpy": "np_rng_state", "torch": "torch_rng_state",
+             "device": "cuda_rng_state", "tracker": "rng_tracker_states"}
 
 
 def state_dict(plain: dict, model: list, optimizer, scheduler, rng, is_loading: bool, with_optimizer: bool) -> dict:
-    """What an fsdp_dtensor checkpoint holds (what a load fills in place): ``plain``, each chunk's DTensors, the
-    optimizer's and the scheduler's state with ``with_optimizer``, the RNG ShardedObject ``rng``'s states under
-    its rank's key (torch writes every rank's plain values, one copy per key)."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-        preprocess_state_dict_for_uneven_dtensor,
-    )
-
+    """What an fsdp_dtensor checkpoint holds before Megatron-LM's preparation (``_prepared``): ``plain``, each
+    chunk's DTensors, the optimizer's and the scheduler's state with ``with_optimizer``, the RNG ShardedObject
+    ``rng``'s states under its rank's key, ``"(pp, tp)"``, and Megatron-LM's names (torch writes every rank's
+    plain values, one copy per key). A load fills it in place."""
     state = dict(plain)
     chunks = [chunk.state_dict_for_save_checkpoint() for chunk in model]
     state.update({"model": chunks[0]} if len(chunks) == 1 else {f"model{i}": c for i, c in enumerate(chunks)})
@@ -42,29 +45,83 @@ def state_dict(plain: dict, model: list, optimizer, scheduler, rng, is_loading: 
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if rng is not None:
-        state["rng_state"] = {str(rng.global_offset): rng.data}
-    return preprocess_state_dict_for_uneven_dtensor(state)
+        state["rng_state"] = {str(rng.global_offset): [{RNG_NAMES[k]: v for k, v in s.items()} for s in rng.data]}
+    return state
 
 
-def save(state: dict, directory: Path) -> None:
-    """Every rank writes its shards of ``state`` into ``directory``; then rank 0 marks it complete."""
-    dcp.save(state, checkpoint_id=str(directory))
+def _prepared(state: dict, model: list, model_config) -> dict:
+    """``state`` as Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` prepares it for torch's save and load
+    (its megatron-core steps, handed the module Megatron-LM hands them: ``unwrap_model`` of the first chunk):
+    FP8 extra states dropped; with SwiGLU each ``linear_fc1`` (weight and Adam moments) split into its gate and
+    up halves (``_w``, ``_v``), views of the fused tensors, so that a checkpoint saved at one TP reads at
+    another (the fused rows of a TP rank are its gate rows, then its up rows: not one tensor across TP ranks);
+    with experts each under its global index; DTensors marked for megatron_fsdp's uneven shards. ``state`` is
+    left as it was: its fused tensors are what the model and the optimizer load."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+    from megatron.core.transformer import fsdp_dtensor_checkpoint as mlm
+    from megatron.core.utils import unwrap_model
+
+    prepared = dict(state)
+    if "model" in prepared:
+        prepared["model"] = dict(prepared["model"])
+        mlm.handle_fp8_extra_state_case(prepared["model"])
+        if model_config.activation == "swiglu":
+            prepared["model"], optimizer = mlm.handle_swiglu_in_state_dict(
+                unwrap_model(model[0]), prepared["model"], prepared.get("optimizer"))
+            if optimizer is not None:
+                prepared["optimizer"] = optimizer
+        if model_config.num_experts:
+            prepared["model"] = mlm.handle_experts_in_state_dict(prepared["model"], model_config.num_experts)
+    return preprocess_state_dict_for_uneven_dtensor(prepared)
+
+
+def save(state: dict, directory: Path, model: list, model_config) -> None:
+    """Every rank writes its shards of ``state``, prepared as Megatron-LM prepares it, into ``directory``;
+    then rank 0 marks it complete."""
+    dcp.save(_prepared(state, model, model_config), checkpoint_id=str(directory))
     if torch.distributed.get_rank() == 0:  # torch's save has written .metadata on return
         save_config(CheckpointingConfig(sharded_backend=FORMAT), str(directory))
 
 
-def load(state: dict, directory: Path, model: list, optimizer, with_optimizer: bool) -> dict:
-    """Read ``directory`` into ``state`` (in place, its DTensors included), then into the model chunks and, with
-    ``with_optimizer``, the optimizer, as Megatron-LM does after the read; returns ``state``, its RNG states
-    this rank's."""
-    dcp.load(state, checkpoint_id=str(directory))
+def load(state: dict, directory: Path, model: list, optimizer, with_optimizer: bool, model_config) -> dict:
+    """Read ``directory`` into ``state`` as Megatron-LM does: torch reads into the prepared state (the SwiGLU
+    halves are views of ``state``'s fused tensors), then the model chunks and, with ``with_optimizer``, the
+    optimizer load ``state``'s; returns what was read, its RNG states this rank's."""
+    prepared = _prepared(state, model, model_config)
+    _refuse_missing(prepared, directory)
+    dcp.load(prepared, checkpoint_id=str(directory))
+    loaded = {**prepared, **{key: state[key] for key in state if key == "optimizer" or key.startswith("model")}}
     for i, chunk in enumerate(model):
-        chunk.load_state_dict(state["model"] if len(model) == 1 else state[f"model{i}"])
+        chunk.load_state_dict(loaded["model"] if len(model) == 1 else loaded[f"model{i}"])
     if with_optimizer:
-        optimizer.load_state_dict(state["optimizer"])
-    if "rng_state" in state:  # this rank's, as the torch_dist format's ShardedObject gives it back
-        [state["rng_state"]] = state["rng_state"].values()
-    return state
+        optimizer.load_state_dict(loaded["optimizer"])
+    if "rng_state" in loaded:  # this rank's, as the torch_dist format's ShardedObject gives it back
+        [states] = loaded["rng_state"].values()
+        loaded["rng_state"] = [{k: s[name] for k, name in RNG_NAMES.items()} for s in states]
+    return loaded
+
+
+def _refuse_missing(prepared: dict, directory: Path) -> None:
+    """One line where the checkpoint lacks tensors this run reads (torch's strict load would raise its own
+    traceback on every rank): another model's checkpoint, or the flow's from before it split a SwiGLU
+    ``linear_fc1`` as Megatron-LM does (its fused ``linear_fc1.weight``)."""
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import flatten_state_dict
+
+    from adapter.training.arguments import ArgumentError
+
+    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    # tensors: every other value torch keeps whole where it holds no tensor (a list of numbers), megatron flattens
+    missing = sorted(key for key, value in flatten_state_dict(prepared).items()
+                     if torch.is_tensor(value) and key not in saved)
+    if missing:
+        fused = any(key.endswith("linear_fc1.weight_w") and key[:-2] in saved for key in missing)
+        why = ("it holds SwiGLU's linear_fc1 fused, as the flow saved it before splitting it as Megatron-LM does: "
+               "resume it with that version of the flow, at its layout" if fused else
+               "it was saved by another model or flow: load it with the model and flags that saved it")
+        raise ArgumentError(f"--load {directory}: the checkpoint lacks {len(missing)} of the entries this run "
+                            f"reads (e.g. {missing[0]}): {why}")
 
 
 def read_plain(directory: Path) -> dict:
