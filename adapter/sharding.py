@@ -165,16 +165,22 @@ class _PrefixTolerantLookup:
             return self._model.get_parameter(target[len("module."):])
 
 
+def require_einops() -> None:
+    """Megatron-FSDP's mesh needs einops, which megatron-core does not install (megatron asserts it on every
+    rank when it builds the mesh, after the model is built): one line before that, in either flow."""
+    if importlib.util.find_spec("einops") is None:
+        raise RefusedSetting("--use-megatron-fsdp needs einops, which is not installed (megatron-core does not "
+                             "install it): pip install einops, or megatron-device-adapter[fsdp]")
+
+
 def refuse_unready_fsdp(validate_args):
     """Megatron-LM's ``validate_args``: a Megatron-FSDP run is refused in one line where einops is missing
-    (megatron asserts it on every rank when it builds the mesh, after the model is built; megatron-core does
-    not install it)."""
+    (``require_einops``)."""
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
-        if getattr(args, "use_megatron_fsdp", False) and importlib.util.find_spec("einops") is None:
-            raise RefusedSetting("--use-megatron-fsdp needs einops, which is not installed (megatron-core does not "
-                                 "install it): pip install einops, or megatron-device-adapter[fsdp]")
+        if getattr(args, "use_megatron_fsdp", False):
+            require_einops()
         return validate_args(args, *rest, **kwargs)
 
     return validate

@@ -761,7 +761,7 @@ def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
                  "--async-save and --ckpt-fully-parallel-save/load are torch_dist's: with --ckpt-format fsdp_dtensor "
                  "every rank writes and reads its own shards synchronously; drop them")
         args.use_distributed_optimizer = True
-        _require_einops(args)
+        _require_einops()
     if not fsdp2:
         return
     for bad, message in ((args.pipeline_model_parallel_size > 1, "pipeline parallelism (use PP 1)"),
@@ -776,13 +776,13 @@ def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
         _require(not bad, f"--use-torch-fsdp2 with {message}")
 
 
-def _require_einops(args: argparse.Namespace) -> None:
+def _require_einops() -> None:
     """Megatron-FSDP's mesh needs einops, which megatron-core does not install: the adapter's one line."""
     from adapter import sharding
     from adapter.cuda_only_features import RefusedSetting
 
     try:
-        sharding.refuse_unready_fsdp(lambda checked: checked)(args)
+        sharding.require_einops()
     except RefusedSetting as exc:
         raise ArgumentError(str(exc)) from None
 
