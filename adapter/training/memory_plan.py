@@ -273,17 +273,14 @@ def _mixer_parameters(model: ModelConfig, mixer: str) -> tuple[int, int]:
 
 
 def _latent_attention_parameters(model: ModelConfig) -> tuple[int, int]:
-    """(split over TP, whole) parameters of multi-latent attention as megatron's local spec builds it: every
-    projection column- or row-parallel (the down projections too, their outputs gathered), the latents' norms
-    whole."""
-    h, a, rope = model.hidden_size, model.num_attention_heads, model.qk_pos_emb_head_dim
+    """(split over TP, whole) parameters of multi-latent attention as megatron's local spec builds it
+    (``ModelConfig.latent_attention_parameters``): every projection column- or row-parallel (the down projections
+    too, their outputs gathered), the latents' norms whole; the output projection's bias, if any, is counted with
+    the layer's row-parallel biases."""
     norm = (2 if model.normalization == "LayerNorm" else 1) if model.qk_layernorm else 0
-    kv = h * (model.kv_lora_rank + rope) + model.kv_lora_rank * a * (model.qk_head_dim + model.v_head_dim)
-    q_rows = a * (model.qk_head_dim + rope)
-    if model.q_lora_rank is None:
-        return h * q_rows + kv + a * model.v_head_dim * h, norm * model.kv_lora_rank
-    query = model.q_lora_rank * (h + q_rows)
-    return query + kv + a * model.v_head_dim * h, norm * (model.q_lora_rank + model.kv_lora_rank)
+    whole = norm * ((model.q_lora_rank or 0) + model.kv_lora_rank)
+    bias = model.hidden_size if model.add_bias_linear else 0
+    return model.latent_attention_parameters() - whole - bias, whole
 
 
 def _layer_parameters(model: ModelConfig, moe: bool, mixer: str = FULL_ATTENTION) -> tuple[int, int, int]:
