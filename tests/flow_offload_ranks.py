@@ -9,23 +9,14 @@ import adapter  # noqa: F401 - before megatron
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
 
-from adapter.training import pretrain as flow
 from tests.offload_ranks import state_bytes
-from tests.pretrain_ranks import run_pretrain
+from tests.pretrain_ranks import run_pretrain_keeping_setup
 
 
 def run_pretrain_offloading(argv: list[str]) -> dict:
-    built = {}
-    setup = flow.setup_model_and_optimizer
-
-    def kept_setup(*args, **kwargs):
-        built["model"], built["optimizer"], built["scheduler"] = setup(*args, **kwargs)
-        return built["model"], built["optimizer"], built["scheduler"]
-
-    flow.setup_model_and_optimizer = kept_setup
-    history = run_pretrain(argv)
-    inner = getattr(built["optimizer"], "chained_optimizers", [built["optimizer"]])
+    history, (_, optimizer, _) = run_pretrain_keeping_setup(argv)
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
     manager = PipelineOffloadManager.get_instance() if "--fine-grained-activation-offloading" in argv else None
-    return {**history, **state_bytes(built["optimizer"]),
+    return {**history, **state_bytes(optimizer),
             "hybrid": all(isinstance(opt.optimizer, HybridDeviceOptimizer) for opt in inner),
             "offloaded_bytes": manager.offload_summary_total_bytes if manager is not None else 0}

@@ -43,6 +43,22 @@ def run_pretrain(argv: list[str]) -> dict:
     return history
 
 
+def run_pretrain_keeping_setup(argv: list[str]) -> tuple[dict, tuple]:
+    """As run_pretrain, and what ``setup_model_and_optimizer`` built: (model chunks, optimizer, scheduler)."""
+    built = []
+    setup = flow.setup_model_and_optimizer
+
+    def kept_setup(*args, **kwargs):
+        built.append(setup(*args, **kwargs))
+        return built[-1]
+
+    flow.setup_model_and_optimizer = kept_setup
+    try:
+        return run_pretrain(argv), built[0]
+    finally:
+        flow.setup_model_and_optimizer = setup
+
+
 def logged_losses(results: list[dict]) -> dict[int, float]:
     """iteration -> lm loss of one run's ranks (``run_pretrain``'s results), from the last rank that logged
     one: the last pipeline stage's, whose ranks all log the same."""
