@@ -19,7 +19,8 @@
 #   cuda_tests_no_liger  the cuda tests with Liger-Kernel not installed (its wheel left off PYTHONPATH)
 #   cuda_tests_fused  the tiny GPT on the GPU against the torch provider under ADAPTER_CUDA_FUSED=eager, compile
 #   dense_large       bench/gpu_train.py for Qwen2.5-1.5B and Qwen3-1.7B (seq 4096, micro-batch 2)
-#   moe_small         bench/moe.py flow on its small shape
+#   moe_small         bench/moe.py flow on its small shape, and the flow with megatron's one-rank NCCL groups
+#                     answered on the calling thread (ADAPTER_ONE_RANK_GROUPS=all; host-bound there, 2026-11-28)
 #   suite             the quick suite on the CPU backend with xdist
 #
 #   bash .ci/gpu_check.sh                                          # all of it, as far as 540 s go
@@ -112,10 +113,11 @@ export LOG_DIR PYTHON DEVICE
 
 if [[ $DEVICE == cuda ]]; then
     DENSE_SMALL=(--models qwen2.5-0.5b) DENSE_LARGE=(--models qwen2.5-1.5b qwen3-1.7b) HYBRID=(--models qwen3.5-bench)
-    MOE_LARGE=(--shape qwen3-30b-a3b --iters 3) MOE_SMALL=(--shape small --iters 4)
+    MOE_LARGE=(--shape qwen3-30b-a3b --iters 3) MOE_SMALL=(--shape small --iters 4 --variants one-rank-groups=all)
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } 2>&1 | tee "$LOG_DIR/device.txt"
 else  # the dry run: every command once, at sizes a CPU runs in seconds
-    DENSE_SMALL=(--tiny) DENSE_LARGE=(--tiny) HYBRID=(--models qwen3.5-tiny) MOE_LARGE=(--shape tiny --iters 2) MOE_SMALL=(--shape tiny --iters 2)
+    DENSE_SMALL=(--tiny) DENSE_LARGE=(--tiny) HYBRID=(--models qwen3.5-tiny) MOE_LARGE=(--shape tiny --iters 2)
+    MOE_SMALL=(--shape tiny --iters 2 --variants one-rank-groups=all)
 fi
 "$PYTHON" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "cuda", torch.version.cuda,
     torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU", "megatron-core", m.__version__)' \
@@ -137,7 +139,7 @@ for check in $CHECKS; do
                     tests/test_markers.py::test_tiny_gpt_on_the_device_matches_the_torch_provider
             done ;;
         dense_large) step dense_large 300 dense "$LOG_DIR/dense-large.json" "${DENSE_LARGE[@]}" ;;
-        moe_small) step moe_small 120 moe "$LOG_DIR/moe-small.json" "${MOE_SMALL[@]}" ;;
+        moe_small) step moe_small 150 moe "$LOG_DIR/moe-small.json" "${MOE_SMALL[@]}" ;;
         suite) step suite 220 ADAPTER_BACKEND=cpu "$PYTHON" -m pytest -q -p no:cacheprovider \
             -m "not npu and not slow and not cuda" -n "${SUITE_WORKERS:-12}" --durations=10 ;;
         *) echo "unknown check $check" | tee -a "$LOG_DIR/summary.txt" ;;

@@ -12,12 +12,16 @@ one-rank communicator there costs a launch, not a thread hand-over.
 
 Only a group megatron asks gloo for (explicitly, or by default or by routing on the cpu backend) is made one:
 the device backends' groups stay theirs, and so does the default group, which torch.distributed.checkpoint
-and the launchers' barriers use.
+and the launchers' barriers use. ``ADAPTER_ONE_RANK_GROUPS`` changes that for measuring: ``all`` makes the
+device backends' one-rank groups these too (on one GPU, megatron's tensor-, data- and expert-parallel NCCL
+groups: their collectives are then no device work, or a copy on the current stream, and no NCCL host call),
+``none`` leaves every group to its library (the reference the benchmarks and tests compare with).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -26,6 +30,9 @@ from torch._C._distributed_c10d import ProcessGroup
 from adapter.torch_view import route_backend
 
 NAME = "adapter_one_rank"
+SETTING = "ADAPTER_ONE_RANK_GROUPS"
+# each setting's libraries (as routed for this backend) whose one-rank groups are made these
+LIBRARIES = {"gloo": ("gloo",), "all": ("gloo", "nccl", "hccl"), "none": ()}
 
 
 class _Done(dist._Work):
@@ -189,12 +196,21 @@ def registered() -> str:
     return NAME
 
 
+def libraries() -> tuple[str, ...]:
+    """The libraries whose one-rank groups are made these: ``$ADAPTER_ONE_RANK_GROUPS`` (default gloo)."""
+    setting = os.environ.get(SETTING, "gloo").strip().lower() or "gloo"
+    if setting not in LIBRARIES:
+        raise ValueError(f"{SETTING}={setting!r}: use gloo (the default: gloo's one-rank groups), all (NCCL's "
+                         "and HCCL's too) or none (every group left to its library)")
+    return LIBRARIES[setting]
+
+
 def answers_here(ranks, backend) -> bool:
     """Whether a group of ``ranks`` asked for with ``backend`` (None: the default group's) is made one of
-    these: one rank, and gloo's as routed for this backend."""
+    these: one rank, of a library ``libraries()`` names as routed for this backend."""
     if ranks is None or len(ranks) != 1:
         return False
-    return route_backend(backend if backend is not None else dist.get_backend()) == "gloo"
+    return route_backend(backend if backend is not None else dist.get_backend()) in libraries()
 
 
 def one_rank_groups_answered_here(create_group):

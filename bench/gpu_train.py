@@ -20,7 +20,8 @@ Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA, the process's max RSS 
 ``fused-adam`` (ADAPTER_FUSED_ADAM=0), ``ce-fusion`` (--no-cross-entropy-loss-fusion), ``grad-accum-fusion``
 (--no-gradient-accumulation-fusion), ``sdpa-views`` (ADAPTER_SDPA_CONTIGUOUS=1); each RMSNorm/RoPE/SwiGLU choice,
 ``fused=eager``, ``fused=compile``, ``fused=liger`` (ADAPTER_CUDA_FUSED; the default row is the automatic one);
-and ``no-distopt``, without --use-distributed-optimizer (the regime of the 2026-11-26 GPU run).
+``no-distopt``, without --use-distributed-optimizer (the regime of the 2026-11-26 GPU run); and
+``one-rank-groups=all`` (ADAPTER_ONE_RANK_GROUPS=all: megatron's one-rank NCCL groups answered on the calling thread).
 Goals: flow / transformers >= 1.15; >= 50% of the bf16 matmul peak at 1.5B/1.7B; flow memory <= transformers'.
 
 A run that fails is a row with its error, and with ``--profile`` its table still comes: the profiler runs
@@ -55,7 +56,8 @@ VARIANTS = {"fused-adam": ({"ADAPTER_FUSED_ADAM": "0"}, [], []),
             "grad-accum-fusion": ({}, ["--no-gradient-accumulation-fusion"], []),
             "sdpa-views": ({"ADAPTER_SDPA_CONTIGUOUS": "1"}, [], []),
             **{f"fused={choice}": ({"ADAPTER_CUDA_FUSED": choice}, [], []) for choice in ("eager", "compile", "liger")},
-            "no-distopt": ({}, [], ["--use-distributed-optimizer"])}
+            "no-distopt": ({}, [], ["--use-distributed-optimizer"]),
+            "one-rank-groups=all": ({"ADAPTER_ONE_RANK_GROUPS": "all"}, [], [])}
 
 
 def _sync(device: str) -> None:

@@ -21,7 +21,9 @@ precision regime on both sides: float32 on the CPU; on a GPU bf16 mixed precisio
 ``torch.autocast(bfloat16)`` with fused AdamW, as transformers' Trainer runs ``bf16=True``. Shapes
 (``--shape``): ``small`` (8 experts top-2, hidden 512) and ``qwen3-30b-a3b`` (two layers of
 Qwen3-30B-A3B: hidden 2048, 32 heads / 4 groups of 128, 128 experts top-8, expert FFN 768, seq 4096,
-micro-batch 1). Goal: flow / transformers >= 1.5 on a GPU.
+micro-batch 1). Goal: flow / transformers >= 1.5 on a GPU. ``--variants`` runs the flow once more per named
+setting: ``one-rank-groups=all`` (ADAPTER_ONE_RANK_GROUPS=all: megatron's one-rank NCCL groups answered on the
+calling thread, issue 34's lead at one GPU), ``one-rank-groups=none`` (every one-rank group left to its library).
 
 ``host``: the flow's host work per step against transformers' on the CPU at the ``tiny`` shape (or ``--shape``),
 where both are launch-bound as the GPU's small-shape step is: ms per step, the flow's ms per step in
@@ -30,7 +32,7 @@ per step with the copies and host syncs among them (``aten::_local_scalar_dense`
 tensor's truth value, a sync on a GPU). Both counts are what a GPU step pays for in launches and waits.
 
 Usage: python bench/moe.py [experts|flow|all|host] [--rounds 3] [--device cpu|cuda]
-       [--shape small|qwen3-30b-a3b|tiny]
+       [--shape small|qwen3-30b-a3b|tiny] [--variants one-rank-groups=all]
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ SHAPES = {
     "tiny": dict(num_layers=2, hidden_size=64, moe_ffn_hidden_size=64, num_experts=8, topk=2, heads=4, groups=2,
                  head_dim=16, vocab_size=512, seq_length=64, micro_batch=2),
 }
+# ``flow --variants``: each one's environment for a flow run of its own, beside the default one
+VARIANTS = {f"one-rank-groups={setting}": {"ADAPTER_ONE_RANK_GROUPS": setting} for setting in ("all", "none")}
 # ``host``: the ops counted per step (copies and host syncs: what the GPU profile's host-bound step spent on)
 HOST_OPS = ("aten::copy_", "aten::_to_copy", "aten::_local_scalar_dense", "aten::item", "aten::nonzero")
 MOE = dict(SHAPES["small"])
@@ -280,13 +284,15 @@ def run_transformers(iters: int, warmup: int, profile: str | None) -> dict:
 
 
 def _child(kind: str, iters: int, warmup: int, profile: str | None) -> dict:
+    """One run in a fresh interpreter: ``kind`` is ``flow``, ``transformers`` or ``flow <variant>``."""
+    side, _, variant = kind.partition(" ")
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "ADAPTER_BACKEND": _device().type}
+    env = {**os.environ, "PYTHONPATH": path, "ADAPTER_BACKEND": _device().type, **VARIANTS.get(variant, {})}
     shape = ["--shape", _SHAPE[0], "--experts", str(MOE["num_experts"]), "--topk", str(MOE["topk"]),
              "--expert-ffn", str(MOE["moe_ffn_hidden_size"])]
     if profile:
-        shape += ["--profile", str(Path(profile) / f"moe-{_SHAPE[0]}-{kind}.txt")]
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--child", kind, "--iters", str(iters),
+        shape += ["--profile", str(Path(profile) / f"moe-{_SHAPE[0]}-{kind.replace(' ', '-')}.txt")]
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--child", side, "--iters", str(iters),
                            "--warmup", str(warmup), *shape], cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -294,10 +300,10 @@ def _child(kind: str, iters: int, warmup: int, profile: str | None) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def bench_flow(rounds: int, iters: int, warmup: int, profile: str | None) -> dict:
-    """Rates per kind, the kinds taking turns; with ``profile`` (a folder) the last round's runs are
-    profiled, the others untouched by the profiler."""
-    kinds = ("flow", "transformers")
+def bench_flow(rounds: int, iters: int, warmup: int, profile: str | None, variants=()) -> dict:
+    """Rates per kind (the flow, transformers, the flow under each of ``variants``), the kinds taking turns;
+    with ``profile`` (a folder) the last round's runs are profiled, the others untouched by the profiler."""
+    kinds = ("flow", "transformers", *(f"flow {variant}" for variant in variants))
     results = {kind: [] for kind in kinds}
     for round_ in range(rounds):
         last = profile if round_ == rounds - 1 else None
@@ -310,7 +316,7 @@ def _flow_rates(args) -> dict:
     """bench_flow's rates, written with ``--json`` (a failed run's message there instead)."""
     record = {"shape": _SHAPE[0], "device": _device().type}
     try:
-        results = bench_flow(args.rounds, args.iters, args.warmup, args.profile)
+        results = bench_flow(args.rounds, args.iters, args.warmup, args.profile, args.variants)
     except SystemExit as failure:
         if args.json:
             Path(args.json).write_text(json.dumps({**record, "error": str(failure)[-4000:]}, indent=1))
@@ -328,9 +334,10 @@ def print_flow(results: dict, iters: int, warmup: int) -> None:
               "weights under bf16 autocast)" if _dtype() == torch.bfloat16 else "float32 both sides")
     print(f"flow vs transformers: {_SHAPE[0]} {MOE}, {regime}, {warmup} warm-up + {iters} measured iterations, "
           f"{len(results['flow'])} rounds, torch {torch.__version__}, {where}")
-    print(f"{'run':<14} {'tokens/s':>9} {'/ transformers':>15} {'(medians)':>10}   all rounds (tokens/s)")
+    width = max(14, *map(len, results))
+    print(f"{'run':<{width}} {'tokens/s':>9} {'/ transformers':>15} {'(medians)':>10}   all rounds (tokens/s)")
     for kind in results:
-        print(f"{kind:<14} {best[kind]:9.1f} {best[kind] / best['transformers']:15.3f} "
+        print(f"{kind:<{width}} {best[kind]:9.1f} {best[kind] / best['transformers']:15.3f} "
               f"{median[kind] / median['transformers']:10.3f}   {', '.join(f'{r:.1f}' for r in results[kind])}")
     print("goal on a GPU: flow / transformers >= 1.5")
 
@@ -379,6 +386,8 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], help="where to run (sets ADAPTER_BACKEND; default cpu)")
     parser.add_argument("--profile", help="flow: a folder for torch.profiler tables of the last round's runs "
                                           "(in a child: the table's file)")
+    parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
+                        help="flow: the flow once more per setting named (see the docstring)")
     parser.add_argument("--json", help="flow: a file for the rates (or the failure) for bench/gpu_goals.py")
     parser.add_argument("--child", choices=["flow", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -5,6 +5,10 @@ their own, which would leave libgomp throttling the training thread's (the modul
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from adapter import backend as adapter_backend
@@ -25,7 +29,32 @@ def test_only_one_rank_gloo_groups_are_answered_here(monkeypatch, backend, ranks
 
     monkeypatch.setattr(adapter_backend, "current", lambda: adapter_backend.Backend(backend))
     monkeypatch.setattr(one_rank_groups.dist, "get_backend", lambda group=None: "gloo")  # the world's default
+    monkeypatch.delenv(one_rank_groups.SETTING, raising=False)
     assert one_rank_groups.answers_here(ranks, asked) is made
+
+
+@pytest.mark.parametrize("setting, backend, ranks, asked, made", [
+    ("all", "cuda", [0], "nccl", True), ("all", "npu", [0], "hccl", True), ("all", "cpu", [0], "nccl", True),
+    ("all", "cuda", [0], None, True),  # the world's default library: nccl on this world
+    ("all", "cuda", [0, 1], "nccl", False), ("all", "cuda", [0], "mpi", False),
+    ("none", "cpu", [0], None, False), ("none", "cuda", [0], "gloo", False), ("GLOO", "cuda", [0], "nccl", False)])
+def test_the_setting_names_the_libraries_whose_one_rank_groups_are_answered_here(monkeypatch, setting, backend,
+                                                                                   ranks, asked, made):
+    from adapter import one_rank_groups
+
+    monkeypatch.setattr(adapter_backend, "current", lambda: adapter_backend.Backend(backend))
+    monkeypatch.setattr(one_rank_groups.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setenv(one_rank_groups.SETTING, setting)
+    assert one_rank_groups.answers_here(ranks, asked) is made
+
+
+def test_an_unknown_setting_is_refused_at_import_naming_it_and_the_choices():
+    done = subprocess.run([sys.executable, "-c", "import adapter"], capture_output=True, text=True,
+                          env={**os.environ, "ADAPTER_ONE_RANK_GROUPS": "nccl"})
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ValueError: ADAPTER_ONE_RANK_GROUPS='nccl': use gloo (the default: gloo's one-rank groups), all (NCCL's "
+        "and HCCL's too) or none (every group left to its library)")
 
 
 def _collectives(group) -> dict:
@@ -188,8 +217,6 @@ def test_megatron_layout_makes_its_one_rank_groups_here_and_keeps_gloo_for_the_o
 def _gloo_threads() -> int:
     """This process's threads named as gloo's workers; a thread a worker starts (its OpenMP team) takes
     its name."""
-    import os
-
     names = []
     for task in os.listdir("/proc/self/task"):
         try:
@@ -211,7 +238,7 @@ def train_counting_gloo_threads(gloo_groups: bool, save: str, extra: list[str]) 
 
     torch.set_num_threads(2)
     if gloo_groups:
-        one_rank_groups.answers_here = lambda ranks, backend: False
+        os.environ[one_rank_groups.SETTING] = "none"
     counted, train_step = [], flow.train_step
 
     def step(*args, **kwargs):
