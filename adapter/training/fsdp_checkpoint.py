@@ -105,8 +105,7 @@ def load(state: dict, directory: Path, model: list, optimizer, with_optimizer: b
 
 def _refuse_missing(prepared: dict, directory: Path) -> None:
     """One line where the checkpoint lacks tensors this run reads (torch's strict load would raise its own
-    traceback on every rank): another model's checkpoint, or the flow's from before it split a SwiGLU
-    ``linear_fc1`` as Megatron-LM does (its fused ``linear_fc1.weight``)."""
+    traceback on every rank): another model's checkpoint, or another flow's."""
     from megatron.core.transformer.fsdp_dtensor_checkpoint import flatten_state_dict
 
     from adapter.training.arguments import ArgumentError
@@ -116,12 +115,9 @@ def _refuse_missing(prepared: dict, directory: Path) -> None:
     missing = sorted(key for key, value in flatten_state_dict(prepared).items()
                      if torch.is_tensor(value) and key not in saved)
     if missing:
-        fused = any(key.endswith("linear_fc1.weight_w") and key[:-2] in saved for key in missing)
-        why = ("it holds SwiGLU's linear_fc1 fused, as the flow saved it before splitting it as Megatron-LM does: "
-               "resume it with that version of the flow, at its layout" if fused else
-               "it was saved by another model or flow: load it with the model and flags that saved it")
         raise ArgumentError(f"--load {directory}: the checkpoint lacks {len(missing)} of the entries this run "
-                            f"reads (e.g. {missing[0]}): {why}")
+                            f"reads (e.g. {missing[0]}): it was saved by another model or flow: load it with the "
+                            "model and flags that saved it")
 
 
 def read_plain(directory: Path) -> dict:
