@@ -173,19 +173,6 @@ def require_einops() -> None:
                              "install it): pip install einops, or megatron-device-adapter[fsdp]")
 
 
-def refuse_unready_fsdp(validate_args):
-    """Megatron-LM's ``validate_args``: a Megatron-FSDP run is refused in one line where einops is missing
-    (``require_einops``)."""
-
-    @functools.wraps(validate_args)
-    def validate(args, *rest, **kwargs):
-        if getattr(args, "use_megatron_fsdp", False):
-            require_einops()
-        return validate_args(args, *rest, **kwargs)
-
-    return validate
-
-
 def local_shard_ids(optim_params_iter) -> dict[int, int]:
     """megatron's ``get_optim_param_to_id_map`` for torch FSDP2's parameters: the id of each parameter's
     local shard (``DTensor._local_tensor``, which the model's sharded state dict holds) -> its optimizer
@@ -246,10 +233,13 @@ def fsdp_requirements_in_one_line(validate_args):
     no fp16; Megatron-FSDP ``--ckpt-format fsdp_dtensor``, which is Megatron-FSDP's alone. Each is a traceback on
     every rank. With ``--use-torch-fsdp2``, ``--use-megatron-fsdp`` or ``--ckpt-format fsdp_dtensor`` its FSDP
     assertions are said once for the job instead, in Megatron-LM's own words (``adapter.run`` prints a
-    RefusedSetting from rank 0)."""
+    RefusedSetting from rank 0); so is a Megatron-FSDP run without einops (``require_einops``), which megatron
+    would meet at its first import of the FSDP package, on every rank."""
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
+        if getattr(args, "use_megatron_fsdp", False):
+            require_einops()
         try:
             return validate_args(args, *rest, **kwargs)
         except AssertionError as exc:

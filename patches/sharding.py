@@ -29,11 +29,10 @@ def register(registry, versions: str) -> None:
     registry.wrap("megatron.core.transformer.fsdp_dtensor_checkpoint:handle_swiglu_in_state_dict",
                   sharding.swiglu_split_finds_its_parameters, versions=versions,
                   reason="Megatron-LM hands the SwiGLU split MegatronFSDP, whose names lack a 'module.' it adds")
-    registry.wrap("megatron.training.arguments:validate_args", sharding.refuse_unready_fsdp, versions=versions,
-                  backends=OFF_CUDA, reason="Megatron-FSDP without einops: one line, not an assert per rank")
     registry.wrap("megatron.training.arguments:validate_args", sharding.fsdp_requirements_in_one_line,
                   versions=versions, backends=OFF_CUDA,
-                  reason="Megatron-LM's FSDP assertions (untied embeddings, fsdp_dtensor): one line for the job")
+                  reason="Megatron-LM's FSDP assertions (untied embeddings, fsdp_dtensor) and Megatron-FSDP without "
+                         "einops: one line for the job, not an assert per rank")
     _register_torch_fsdp2(registry, versions)
 
 

@@ -24,7 +24,7 @@ from tests.sharding_ranks import fsdp2_resume, swiglu_split_resume, train, train
 
 
 def test_a_megatron_fsdp_run_without_einops_is_refused_in_one_line_naming_the_install(monkeypatch):
-    validate = sharding.refuse_unready_fsdp(lambda args: "validated")
+    validate = sharding.fsdp_requirements_in_one_line(lambda args: "validated")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "einops" else real_find_spec(name, *a))
