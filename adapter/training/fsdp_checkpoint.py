@@ -25,9 +25,6 @@ from megatron.core.dist_checkpointing.core import CheckpointingConfig, maybe_loa
 FORMAT = "fsdp_dtensor"
 # the plain values of a checkpoint (adapter.training.checkpointing's), read before the model is loaded
 PLAIN = ("iteration", "checkpoint_version", "consumed_train_samples", "consumed_valid_samples", "layout")
-# the RNG states under Megatron-LM's names (its get_rng_state's), keyed by the flow's (checkpointing._rng_state)
-RNG_NAMES = {"random": "random_rng_state", "numpy": "np_rng_state", "torch": "torch_rng_state",
-             "device": "cuda_rng_state", "tracker": "rng_tracker_states"}
 
 
 def state_dict(plain: dict, model: list, optimizer, scheduler, rng, is_loading: bool, with_optimizer: bool) -> dict:
@@ -45,7 +42,7 @@ def state_dict(plain: dict, model: list, optimizer, scheduler, rng, is_loading: 
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if rng is not None:
-        state["rng_state"] = {str(rng.global_offset): [{RNG_NAMES[k]: v for k, v in s.items()} for s in rng.data]}
+        state["rng_state"] = {str(rng.global_offset): rng.data}
     return state
 
 
@@ -98,8 +95,7 @@ def load(state: dict, directory: Path, model: list, optimizer, with_optimizer: b
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
     if "rng_state" in loaded:  # this rank's, as the torch_dist format's ShardedObject gives it back
-        [states] = loaded["rng_state"].values()
-        loaded["rng_state"] = [{k: s[name] for k, name in RNG_NAMES.items()} for s in states]
+        [loaded["rng_state"]] = loaded["rng_state"].values()
     return loaded
 
 
