@@ -16,11 +16,21 @@ from adapter.training.global_vars import get_args
 from tests.pretrain_ranks import run_pretrain_keeping_setup
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a Megatron-FSDP DTensor; a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _members(optimizer) -> list:
+    """megatron's optimizers in ``optimizer``: a chain's members (DDP), or itself (Megatron-FSDP)."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
 def _model_and_optimizer_state(model: list, optimizer, scheduler) -> dict:
     """Copies of what a checkpoint carries: the parameters, Adam's moments and step, the scheduler's step."""
-    params = [p.detach().clone() for chunk in model for p in chunk.parameters()]
-    moments = [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.optimizer.state[p].items()}
-               for opt in optimizer.chained_optimizers for group in opt.optimizer.param_groups
+    params = [_local(p).detach().clone() for chunk in model for p in chunk.parameters()]
+    moments = [{k: _local(v).clone() if torch.is_tensor(v) else v for k, v in opt.optimizer.state[p].items()}
+               for opt in _members(optimizer) for group in opt.optimizer.param_groups
                for p in group["params"]]
     return {"params": params, "moments": moments, "steps": scheduler.num_steps}
 
@@ -32,7 +42,7 @@ def _scramble(model: list, optimizer, scheduler) -> None:
         for chunk in model:
             for p in chunk.parameters():
                 p.zero_()
-        for opt in optimizer.chained_optimizers:
+        for opt in _members(optimizer):
             for state in opt.optimizer.state.values():
                 for value in state.values():
                     if torch.is_tensor(value):

@@ -42,15 +42,18 @@ def _same(first: list, second: list) -> bool:
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_megatron_lm_s_own_loader_reads_the_flow_s_checkpoint(tmp_path):
+@pytest.mark.parametrize("sharding", [[], ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]],
+                         ids=["torch_dist", "fsdp_dtensor"])
+def test_megatron_lm_s_own_loader_reads_the_flow_s_checkpoint(sharding, tmp_path):
     pytest.importorskip("megatron.training.checkpointing", reason="megatron-core's wheel ships megatron.training "
                                                                   "from 0.17")
-    argv = TINY + ["--train-iters", "2"]
+    argv = TINY + ["--train-iters", "2"] + sharding
     results = run_ranks(2, megatron_lm_loads_the_flow_checkpoint, argv, str(tmp_path / "saved"))
     for result in results:
         live, by_flow, by_megatron_lm = result["live"], result["flow"], result["megatron_lm"]
         assert result["iterations"] == (2, 2) and result["consumed"] == (16, 16)
         assert by_megatron_lm["steps"] == by_flow["steps"] == live["steps"] == 16
+        assert live["moments"] and all("exp_avg_sq" in moments for moments in live["moments"])
         assert _same(by_megatron_lm["params"], live["params"]) and _same(by_flow["params"], live["params"])
         for reader in (by_flow, by_megatron_lm):
             assert [sorted(m) for m in reader["moments"]] == [sorted(m) for m in live["moments"]]
@@ -72,15 +75,18 @@ def _flow_and_megatron_lm_flags(vocab_size: int) -> list[str]:
 @pytest.mark.megatron_lm
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_a_checkpoint_of_either_flow_resumes_in_the_other_on_the_curve_of_the_run_that_saved_it(tmp_path,
+@pytest.mark.parametrize("sharding", [[], ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]],
+                         ids=["torch_dist", "fsdp_dtensor"])
+def test_a_checkpoint_of_either_flow_resumes_in_the_other_on_the_curve_of_the_run_that_saved_it(sharding, tmp_path,
                                                                                                  monkeypatch):
-    """Both flows train 8 iterations saving at 4 (their curves differ from the start: they initialize the
-    weights differently); each resumes from the other's checkpoint of iteration 4 and continues the curve of
-    the run that saved it bit for bit, the flow restoring Megatron-LM's RNG states (Megatron-LM's log prints the
-    mean of iterations 5 and 6 at 6 after a restart, so 6 is left out where it resumes). Without dropout: from
-    the same state the two flows' dropout masks differ (hidden or attention dropout 0.1: the resumed curve 1e-3
-    to 2e-3 off at iteration 5, where each flow resumes its own checkpoint bit for bit); that Megatron-LM
-    restores the flow's RNG states is the test above."""
+    """Both flows train 8 iterations saving at 4, with the distributed optimizer (torch_dist) or Megatron-FSDP
+    (fsdp_dtensor); their curves differ from the start: they initialize the weights differently. Each resumes
+    from the other's checkpoint of iteration 4 and continues the curve of the run that saved it bit for bit,
+    the flow restoring Megatron-LM's RNG states (Megatron-LM's log prints the mean of iterations 5 and 6 at 6
+    after a restart, so 6 is left out where it resumes). Without dropout: from the same state the two flows'
+    dropout masks differ (hidden or attention dropout 0.1: the resumed curve 1e-3 to 2e-3 off at iteration 5,
+    where each flow resumes its own checkpoint bit for bit); that Megatron-LM restores the flow's RNG states
+    is the test above."""
     from tests.test_megatron_lm import _checkpoint_at, _losses, _run
 
     def flow(workdir, name: str, flags: list[str]) -> str:
@@ -90,7 +96,7 @@ def test_a_checkpoint_of_either_flow_resumes_in_the_other_on_the_curve_of_the_ru
             env.delenv("PYTHONPATH", raising=False)
             return _run(workdir, name, 2, flags, launch=(), script=ROOT / "scripts" / "pretrain_gpt.py")
 
-    mlm_flags, flow_flags = _flow_and_megatron_lm_flags(256), _flow_and_megatron_lm_flags(255)
+    mlm_flags, flow_flags = _flow_and_megatron_lm_flags(256) + sharding, _flow_and_megatron_lm_flags(255) + sharding
     save = ["--save", "saved", "--save-interval", "4"]
     (tmp_path / "mlm").mkdir(), (tmp_path / "flow").mkdir()
     mlm_full = _losses(_run(tmp_path / "mlm", "full", 2, mlm_flags + save))
@@ -144,3 +150,19 @@ def test_megatron_lm_s_dp_reshardable_optimizer_state_is_refused_at_another_mode
         "--load c: its distributed optimizer state is dp_reshardable, which reads only at the layout that saved it "
         "(tp 1 (now 2), etp 1 (now 2)): resume at that layout, load the weights alone with --no-load-optim, or "
         "save it with --dist-ckpt-optim-fully-reshardable (Megatron-LM)")
+
+
+def test_a_torch_checkpoint_without_megatron_s_metadata_json_is_a_complete_fsdp_dtensor_one_to_both_flows(tmp_path):
+    """The flow's fsdp_dtensor save, as Megatron-LM's, writes torch's files alone; Megatron-LM tells the format
+    by megatron's metadata.json (torch_dist where it is there, fsdp_dtensor under Megatron-FSDP where not)."""
+    import torch.distributed.checkpoint as dcp
+
+    from adapter.training import fsdp_checkpoint
+    from models import checkpoint_dir
+
+    megatron_lm = pytest.importorskip("megatron.training.checkpointing",
+                                      reason="megatron-core's wheel ships megatron.training from 0.17")
+    dcp.save({"iteration": 4, "model": {"weight": torch.zeros(2)}}, checkpoint_id=str(tmp_path))
+    assert checkpoint_dir.is_complete(tmp_path) and fsdp_checkpoint.format_of(tmp_path) == "fsdp_dtensor"
+    assert megatron_lm._get_checkpoint_format(str(tmp_path), argparse.Namespace(use_megatron_fsdp=True)) == \
+        "fsdp_dtensor"

@@ -13,6 +13,10 @@ own. RNG states are per TP/PP rank (per DP rank too with EP > 1, where the exper
 differs between data-parallel ranks) and are restored only on the layout that saved them (as Megatron-LM
 does).
 
+What lies beside the tensors is what Megatron-LM writes and reads (``checkpoint_common``: its arguments, the
+optimizer's sharding, the RNG states under its names), so a checkpoint moves between Megatron-LM's
+pretrain_gpt.py and the flow, either way.
+
 With --use-megatron-fsdp the format is Megatron-FSDP's fsdp_dtensor (``fsdp_checkpoint``), written into the same
 ``.partial`` directory and published the same way; with --use-torch-fsdp2 it is torch_dist, the model and
 optimizer read in place as Megatron-LM reads them for FSDP2.
