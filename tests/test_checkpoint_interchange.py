@@ -4,10 +4,9 @@ same model flags, as Megatron-LM's own resume does (model, optimizer, LR schedul
 consumed samples; ``adapter/training/checkpoint_common.py``).
 
 Without the checkout: Megatron-LM's own ``load_checkpoint`` (megatron.training, in megatron-core's wheel from
-0.17) reads the flow's checkpoint into a scrambled model, optimizer and scheduler, and gives back the state the
-flow saved. With the checkout (``megatron_lm``): both flows train 8 iterations saving at 4, and each resumes
-from its own checkpoint and the other's; a resume in the other flow gives the resuming flow's losses from its
-own checkpoint of the same run.
+0.17) reads the flow's torch_dist and fsdp_dtensor checkpoints into a scrambled model, optimizer and scheduler,
+and gives back the state the flow saved. With the checkout (``megatron_lm``): both flows train 8 iterations
+saving at 4, and each resumes from the other's checkpoint on the curve of the run that saved it.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from adapter.training.checkpointing import _require_reshardable
 from tests.checkpoint_interchange_ranks import megatron_lm_loads_the_flow_checkpoint
 from tests.distributed import ROOT, run_ranks
 
-# the tiny model of /work/tools/mlm_run.sh, whose flags both flows take
+# a tiny GPT whose flags both flows take (Megatron-LM's pretrain_gpt.py, and the flow's)
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size",
         "8", "--lr", "1e-3", "--log-interval", "1", "--seed", "1234", "--mock-data", "--tokenizer-type",
