@@ -34,6 +34,11 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", 
         "--use-distributed-optimizer", "--ckpt-format", "torch_dist"]
 
 
+# experts over 2 ranks: Megatron-LM keeps one RNG state per (PP, TP) rank, the flow one per data-parallel rank too
+MOE_EP2 = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+           "--moe-ffn-hidden-size", "64"]
+
+
 def _same(first: list, second: list) -> bool:
     return len(first) == len(second) and all(
         torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(first, second))
@@ -74,18 +79,18 @@ def _flow_and_megatron_lm_flags(vocab_size: int) -> list[str]:
 @pytest.mark.megatron_lm
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", [[], ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]],
-                         ids=["torch_dist", "fsdp_dtensor"])
+@pytest.mark.parametrize("sharding", [[], ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], MOE_EP2],
+                         ids=["torch_dist", "fsdp_dtensor", "moe-ep2"])
 def test_a_checkpoint_of_either_flow_resumes_in_the_other_on_the_curve_of_the_run_that_saved_it(sharding, tmp_path,
                                                                                                  monkeypatch):
-    """Both flows train 8 iterations saving at 4, with the distributed optimizer (torch_dist) or Megatron-FSDP
-    (fsdp_dtensor); their curves differ from the start: they initialize the weights differently. Each resumes
-    from the other's checkpoint of iteration 4 and continues the curve of the run that saved it bit for bit,
-    the flow restoring Megatron-LM's RNG states (Megatron-LM's log prints the mean of iterations 5 and 6 at 6
-    after a restart, so 6 is left out where it resumes). Without dropout: from the same state the two flows'
-    dropout masks differ (hidden or attention dropout 0.1: the resumed curve 1e-3 to 2e-3 off at iteration 5,
-    where each flow resumes its own checkpoint bit for bit); that Megatron-LM restores the flow's RNG states
-    is the test above."""
+    """Both flows train 8 iterations saving at 4, with the distributed optimizer (torch_dist; a MoE model at EP2
+    too) or Megatron-FSDP (fsdp_dtensor); their curves differ from the start: they initialize the weights
+    differently. Each resumes from the other's checkpoint of iteration 4 and continues the curve of the run that
+    saved it bit for bit, the flow restoring Megatron-LM's RNG states (Megatron-LM's log prints the mean of
+    iterations 5 and 6 at 6 after a restart, so 6 is left out where it resumes). Without dropout: from the same
+    state the two flows' dropout masks differ (hidden or attention dropout 0.1: the resumed curve 1e-3 to 2e-3
+    off at iteration 5, where each flow resumes its own checkpoint bit for bit); that Megatron-LM restores the
+    flow's RNG states is the test above."""
     from tests.test_megatron_lm import _checkpoint_at, _losses, _run
 
     def flow(workdir, name: str, flags: list[str]) -> str:

@@ -10,8 +10,8 @@ with that error. The model and the distributed
 optimizer are saved resharding-capable (``fully_reshardable``), so a run resumes at another TP/PP/DP and,
 for a MoE model, another EP / expert TP: each expert is saved under its global index, so any EP finds its
 own. RNG states are per TP/PP rank (per DP rank too with EP > 1, where the expert-parallel random stream
-differs between data-parallel ranks) and are restored only on the layout that saved them (as Megatron-LM
-does).
+differs between data-parallel ranks, beside Megatron-LM's per TP/PP rank) and are restored only on the layout
+that saved them (as Megatron-LM does).
 
 What lies beside the tensors is what Megatron-LM writes and reads (``checkpoint_common``: its arguments, the
 optimizer's sharding, the RNG states under its names), so a checkpoint moves between Megatron-LM's
@@ -52,10 +52,14 @@ from adapter.training.arguments import ArgumentError
 from adapter.training.shared_outcome import shared_outcome
 from models import checkpoint_dir
 
-def _rng_state() -> ShardedObject:
-    """This rank's random states, one object per (PP, TP) rank, replicated over data parallel; with EP > 1
-    one per (PP, TP, DP) rank, since the tracker's expert-parallel stream differs between the data-parallel
-    ranks that hold different experts (as Megatron-LM shards them)."""
+# with EP > 1 the flow's RNG states, one per (PP, TP, DP) rank, beside Megatron-LM's one per (PP, TP) rank
+PER_DATA_PARALLEL_RNG = "rng_state_per_data_parallel_rank"
+
+
+def _rng_state(per_data_parallel_rank: bool, key: str = "rng_state") -> ShardedObject:
+    """This rank's random states: one object per (PP, TP) rank, replicated over data parallel (Megatron-LM's);
+    ``per_data_parallel_rank``, one per (PP, TP, DP) rank, as the flow restores them with EP > 1, since the
+    tracker's expert-parallel stream differs between the data-parallel ranks that hold different experts."""
     state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
              "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": device.get_rng_state(),
              "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
@@ -63,10 +67,25 @@ def _rng_state() -> ShardedObject:
     ranks = [ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()]
     shape = [ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()]
     dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
-    if ps.get_expert_model_parallel_world_size() == 1:
-        return ShardedObject("rng_state", [state], tuple(shape), tuple(ranks), replica_id=dp_rank)
+    if not per_data_parallel_rank:
+        return ShardedObject(key, [state], tuple(shape), tuple(ranks), replica_id=dp_rank)
     shape.append(ps.get_data_parallel_world_size(with_context_parallel=True))
-    return ShardedObject("rng_state", [state], tuple(shape), (*ranks, dp_rank), replica_id=0)
+    return ShardedObject(key, [state], tuple(shape), (*ranks, dp_rank), replica_id=0)
+
+
+def _rng_entries(args, common: dict | None) -> dict:
+    """The RNG objects of a save (``common`` None): Megatron-LM's, and with EP > 1 the flow's per data-parallel
+    rank beside it (Megatron-LM restores every data-parallel rank from the first's states, the flow each its
+    own); of a load from ``common``'s checkpoint, the one this layout restores, as ``rng_state``: from
+    Megatron-LM's (no ``layout``) its own, as it restores them. The flow's checkpoints before they held ``args``
+    kept the per-rank states under ``rng_state``."""
+    per_rank = args.expert_model_parallel_size > 1
+    if common is None:
+        return {"rng_state": _rng_state(False), **({PER_DATA_PARALLEL_RNG: _rng_state(True, PER_DATA_PARALLEL_RNG)}
+                                                   if per_rank else {})}
+    if not per_rank or "layout" not in common:
+        return {"rng_state": _rng_state(False)}
+    return {"rng_state": _rng_state(True, PER_DATA_PARALLEL_RNG if "args" in common else "rng_state")}
 
 
 def _set_rng_state(states: list) -> None:
@@ -80,18 +99,18 @@ def _set_rng_state(states: list) -> None:
 
 def _sharded_state(args, model: list, optimizer, scheduler, iteration: int, consumed: dict,
                    is_loading: bool = False, with_optimizer: bool = True, with_rng: bool = True,
-                   optimizer_format: dict | None = None) -> dict:
+                   optimizer_format: dict | None = None, common: dict | None = None) -> dict:
     """What a checkpoint holds (Megatron-LM's keys, and the flow's own record of the consumed samples and the
     layout); ``optimizer_format``: how the optimizer's state is sharded (``checkpoint_common.content_metadata``
-    for a save, what the checkpoint names for a load)."""
+    for a save, what the checkpoint names for a load); ``common``: the plain state of the checkpoint loaded."""
     state = {"iteration": iteration, "checkpoint_version": checkpoint_dir.CHECKPOINT_VERSION,
              "consumed_train_samples": consumed["train"], "consumed_valid_samples": consumed["valid"],
              "layout": checkpoint_common.layout(args)}
     if not is_loading:  # a load reads them with the plain values, before (_read_common)
         state["args"] = checkpoint_common.saved_args(args, consumed)
     if args.ckpt_format == fsdp_checkpoint.FORMAT:
-        return fsdp_checkpoint.state_dict(state, model, optimizer, scheduler, _rng_state() if with_rng else None,
-                                          is_loading, with_optimizer)
+        rng = _rng_state(args.expert_model_parallel_size > 1) if with_rng else None
+        return fsdp_checkpoint.state_dict(state, model, optimizer, scheduler, rng, is_loading, with_optimizer)
     chunks = [chunk.module if hasattr(chunk, "module") else chunk for chunk in model]
     model_states = [chunk.sharded_state_dict() for chunk in chunks]
     if len(chunks) == 1:
@@ -104,18 +123,15 @@ def _sharded_state(args, model: list, optimizer, scheduler, iteration: int, cons
             every_chunk, is_loading=is_loading, metadata=optimizer_format or checkpoint_common.content_metadata(args))
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
-        state["rng_state"] = _rng_state()
+        state.update(_rng_entries(args, common if is_loading else None))
     return state
 
 
 def _same_rng_layout(common: dict, args) -> bool:
     """Whether the checkpoint's RNG states belong to this layout's ranks: the same TP, PP, VPP, EP and
-    expert TP, and with EP > 1 the same DP (``_rng_state``). A checkpoint from before expert parallelism
-    was recorded had EP 1 and expert TP = TP. Megatron-LM's keeps one state per (PP, TP) rank at any EP, which
-    the flow reads at EP 1 only."""
+    expert TP, and with EP > 1 the same DP (``_rng_entries``). A checkpoint from before expert parallelism
+    was recorded had EP 1 and expert TP = TP."""
     current, saved = checkpoint_common.layout(args), checkpoint_common.saved_layout(common)
-    if "layout" not in common and current["ep"] > 1:
-        return False
     saved = {"ep": 1, "etp": saved.get("tp"), **saved}
     keys = ("tp", "pp", "vpp", "ep", "etp") + (("dp",) if current["ep"] > 1 else ())
     return all(saved.get(key) == current[key] for key in keys)
@@ -344,7 +360,8 @@ def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]
     if with_optimizer and args.use_distributed_optimizer:
         _require_reshardable(checkpoint, optimizer_format, checkpoint_common.saved_layout(common), args)
     state = _sharded_state(args, model, optimizer, scheduler, 0, consumed, is_loading=True,
-                           with_optimizer=with_optimizer, with_rng=with_rng, optimizer_format=optimizer_format)
+                           with_optimizer=with_optimizer, with_rng=with_rng, optimizer_format=optimizer_format,
+                           common=common)
     if weights_only:
         state = {k: v for k, v in state.items() if k == "model" or k.startswith("model")}
     loaded = _load_model_and_optimizer(args, checkpoint, state, model, optimizer, with_optimizer)
