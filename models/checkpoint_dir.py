@@ -2,7 +2,8 @@
 for the training flow and conversion:
 
     <dir>/latest_checkpointed_iteration.txt   "release" or the iteration number (the tracker)
-    <dir>/release/ or <dir>/iter_0000100/     metadata.json, .metadata, *.distcp (and common.pt, before 0.19)
+    <dir>/release/ or <dir>/iter_0000100/     metadata.json, .metadata, *.distcp (and common.pt, before 0.19);
+                                              fsdp_dtensor: .metadata, *.distcp
 
 What to load (the tracker's checkpoint, refused with the fix when it is missing, incomplete or unreadable by
 the installed release), how a written checkpoint is published (never lost, whenever the process is killed),
@@ -51,9 +52,11 @@ def checkpoint_name(iteration: int | str) -> str:
 
 
 def is_complete(path: Path) -> bool:
-    """A torch_dist checkpoint whose save finished: torch writes ``.metadata`` once every rank's chunks are
-    written, megatron writes ``metadata.json`` after that."""
-    return (path / "metadata.json").is_file() and (path / ".metadata").is_file()
+    """A checkpoint whose save finished: torch writes ``.metadata`` once every rank's chunks are written. For
+    torch_dist megatron writes ``metadata.json`` after it, which names the format; an fsdp_dtensor checkpoint
+    has none (Megatron-LM writes none, and takes a directory with one for torch_dist). A torch_dist save killed
+    between the two (Megatron-LM writes in place) so reads as fsdp_dtensor, which a torch_dist run refuses."""
+    return (path / ".metadata").is_file()
 
 
 def newest_complete(load_dir: Path) -> Path | None:
@@ -70,7 +73,7 @@ def checkpoint_to_load(load_dir: str | os.PathLike, recoverable: bool = False) -
     then overwrite the iterations there. ``recoverable``: ``load_dir`` is the run's own --save directory,
     where ``recover_interrupted_save`` first puts back the previous copy a killed re-save moved aside."""
     load_dir = Path(load_dir)
-    if (load_dir / "metadata.json").is_file():
+    if is_complete(load_dir):
         readable_here(load_dir)
         return load_dir
     tracker = load_dir / TRACKER
@@ -87,7 +90,7 @@ def checkpoint_to_load(load_dir: str | os.PathLike, recoverable: bool = False) -
     if is_complete(path) or (recoverable and is_complete(aside(path, REPLACED))):
         readable_here(path if is_complete(path) else aside(path, REPLACED))
         return path
-    state = "incomplete (no metadata.json and .metadata)" if path.exists() else "missing"
+    state = "incomplete (no .metadata)" if path.exists() else "missing"
     previous = aside(path, REPLACED)
     fix = (f"; its previous copy is complete at {previous.name} (a save was killed while replacing it): "
            f"rename it to {path.name}" if is_complete(previous) else
@@ -98,17 +101,17 @@ def checkpoint_to_load(load_dir: str | os.PathLike, recoverable: bool = False) -
 
 def iteration_dir(load_dir: str | os.PathLike, iteration: int | str | None = None) -> Path:
     """The checkpoint directory in ``load_dir``: ``iteration`` if given, else what the tracker file names;
-    ``load_dir`` itself when it is a checkpoint directory (has metadata.json)."""
+    ``load_dir`` itself when it is a checkpoint directory (has .metadata)."""
     load_dir = Path(load_dir)
     if iteration is None:
         path = checkpoint_to_load(load_dir)
         if path is None:
             raise CheckpointError(f"{load_dir} holds no megatron checkpoint: neither {TRACKER} nor "
-                                  "metadata.json is there (pass the directory given to --save)")
+                                  "a checkpoint's .metadata is there (pass the directory given to --save)")
         return path
     path = load_dir / checkpoint_name(iteration)
     if not is_complete(path):
-        raise CheckpointError(f"{path} is not a complete torch_dist checkpoint (no metadata.json and .metadata)")
+        raise CheckpointError(f"{path} is not a complete checkpoint (no .metadata)")
     readable_here(path)
     return path
 

@@ -36,15 +36,17 @@ def stopped_at(saved: Path, iteration: int, into: Path) -> Path:
     return into
 
 
-def run_pretrain(argv: list[str]) -> dict:
+def run_pretrain(argv: list[str], keep_group: bool = False) -> dict:
     history = flow.pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                             forward_step, argv=argv)
-    torch.distributed.destroy_process_group()
+    if not keep_group:
+        torch.distributed.destroy_process_group()
     return history
 
 
-def run_pretrain_keeping_setup(argv: list[str]) -> tuple[dict, tuple]:
-    """As run_pretrain, and what ``setup_model_and_optimizer`` built: (model chunks, optimizer, scheduler)."""
+def run_pretrain_keeping_setup(argv: list[str], keep_group: bool = False) -> tuple[dict, tuple]:
+    """As run_pretrain, and what ``setup_model_and_optimizer`` built: (model chunks, optimizer, scheduler);
+    with ``keep_group`` the process group stays for the caller's own work on them."""
     built = []
     setup = flow.setup_model_and_optimizer
 
@@ -54,7 +56,7 @@ def run_pretrain_keeping_setup(argv: list[str]) -> tuple[dict, tuple]:
 
     flow.setup_model_and_optimizer = kept_setup
     try:
-        return run_pretrain(argv), built[0]
+        return run_pretrain(argv, keep_group), built[0]
     finally:
         flow.setup_model_and_optimizer = setup
 

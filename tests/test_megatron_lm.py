@@ -47,16 +47,17 @@ def _pretrain_gpt() -> Path:
     return megatron_lm_checkout() / "pretrain_gpt.py"
 
 
-def _run(workdir: Path, name: str, nproc: int, args: list[str], launch: tuple = ("-m", "adapter.run")) -> str:
+def _run(workdir: Path, name: str, nproc: int, args: list[str], launch: tuple = ("-m", "adapter.run"),
+         script: Path | None = None) -> str:
     """``torchrun --nproc-per-node nproc -m adapter.run pretrain_gpt.py args`` on the cpu backend, in
-    ``workdir`` (``launch``: torchrun's arguments before the script's); the log, or the test fails with its
-    tail."""
+    ``workdir`` (``launch``: torchrun's arguments before the script's; ``script``: another than Megatron-LM's
+    pretrain_gpt.py); the log, or the test fails with its tail."""
     env = {**os.environ, "ADAPTER_BACKEND": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     log = workdir / f"{name}.log"
     with open(log, "w") as out:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc-per-node", str(nproc), *launch, str(_pretrain_gpt()), *args],
+                               "--nproc-per-node", str(nproc), *launch, str(script or _pretrain_gpt()), *args],
                               cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
     text = log.read_text()
     assert done.returncode == 0, f"{name} failed (exit status {done.returncode}):\n{text[-6000:]}"

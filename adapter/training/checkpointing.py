@@ -10,8 +10,12 @@ with that error. The model and the distributed
 optimizer are saved resharding-capable (``fully_reshardable``), so a run resumes at another TP/PP/DP and,
 for a MoE model, another EP / expert TP: each expert is saved under its global index, so any EP finds its
 own. RNG states are per TP/PP rank (per DP rank too with EP > 1, where the expert-parallel random stream
-differs between data-parallel ranks) and are restored only on the layout that saved them (as Megatron-LM
-does).
+differs between data-parallel ranks, beside Megatron-LM's per TP/PP rank) and are restored only on the layout
+that saved them (as Megatron-LM does).
+
+What lies beside the tensors is what Megatron-LM writes and reads (``checkpoint_common``: its arguments, the
+optimizer's sharding, the RNG states under its names), so a checkpoint moves between Megatron-LM's
+pretrain_gpt.py and the flow, either way.
 
 With --use-megatron-fsdp the format is Megatron-FSDP's fsdp_dtensor (``fsdp_checkpoint``), written into the same
 ``.partial`` directory and published the same way; with --use-torch-fsdp2 it is torch_dist, the model and
@@ -43,50 +47,70 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
 from adapter import checkpoint_writes, device, sharding
-from adapter.training import fsdp_checkpoint
+from adapter.training import checkpoint_common, fsdp_checkpoint
 from adapter.training.arguments import ArgumentError
 from adapter.training.shared_outcome import shared_outcome
 from models import checkpoint_dir
 
-# Megatron-LM's sharded-state metadata: with it a MoE model's two optimizers (dense and expert parameters)
-# save each state under its parameter's key alone, not under its place in the chain, as Megatron-LM does.
-OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+# with EP > 1 the flow's RNG states, one per (PP, TP, DP) rank, beside Megatron-LM's one per (PP, TP) rank
+PER_DATA_PARALLEL_RNG = "rng_state_per_data_parallel_rank"
 
 
-def _rng_state() -> ShardedObject:
-    """This rank's random states, one object per (PP, TP) rank, replicated over data parallel; with EP > 1
-    one per (PP, TP, DP) rank, since the tracker's expert-parallel stream differs between the data-parallel
-    ranks that hold different experts (as Megatron-LM shards them)."""
-    state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "device": device.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+def _rng_state(per_data_parallel_rank: bool, key: str = "rng_state") -> ShardedObject:
+    """This rank's random states: one object per (PP, TP) rank, replicated over data parallel (Megatron-LM's);
+    ``per_data_parallel_rank``, one per (PP, TP, DP) rank, as the flow restores them with EP > 1, since the
+    tracker's expert-parallel stream differs between the data-parallel ranks that hold different experts."""
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": device.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
     ps = parallel_state
     ranks = [ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()]
     shape = [ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()]
     dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
-    if ps.get_expert_model_parallel_world_size() == 1:
-        return ShardedObject("rng_state", [state], tuple(shape), tuple(ranks), replica_id=dp_rank)
+    if not per_data_parallel_rank:
+        return ShardedObject(key, [state], tuple(shape), tuple(ranks), replica_id=dp_rank)
     shape.append(ps.get_data_parallel_world_size(with_context_parallel=True))
-    return ShardedObject("rng_state", [state], tuple(shape), (*ranks, dp_rank), replica_id=0)
+    return ShardedObject(key, [state], tuple(shape), (*ranks, dp_rank), replica_id=0)
+
+
+def _rng_entries(args, common: dict | None) -> dict:
+    """The RNG objects of a save (``common`` None): Megatron-LM's, and with EP > 1 the flow's per data-parallel
+    rank beside it (Megatron-LM restores every data-parallel rank from the first's states, the flow each its
+    own); of a load from ``common``'s checkpoint, the one this layout restores, as ``rng_state``: from
+    Megatron-LM's (no ``layout``) its own, as it restores them. The flow's checkpoints before they held ``args``
+    kept the per-rank states under ``rng_state``."""
+    per_rank = args.expert_model_parallel_size > 1
+    if common is None:
+        return {"rng_state": _rng_state(False), **({PER_DATA_PARALLEL_RNG: _rng_state(True, PER_DATA_PARALLEL_RNG)}
+                                                   if per_rank else {})}
+    if not per_rank or "layout" not in common:
+        return {"rng_state": _rng_state(False)}
+    return {"rng_state": _rng_state(True, PER_DATA_PARALLEL_RNG if "args" in common else "rng_state")}
 
 
 def _set_rng_state(states: list) -> None:
-    state = states[0]
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    device.set_rng_state(state["device"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    state = checkpoint_common.rng_names(states[0])
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    device.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
 def _sharded_state(args, model: list, optimizer, scheduler, iteration: int, consumed: dict,
-                   is_loading: bool = False, with_optimizer: bool = True, with_rng: bool = True) -> dict:
+                   is_loading: bool = False, with_optimizer: bool = True, with_rng: bool = True,
+                   optimizer_format: dict | None = None, common: dict | None = None) -> dict:
+    """What a checkpoint holds (Megatron-LM's keys, and the flow's own record of the consumed samples and the
+    layout); ``optimizer_format``: how the optimizer's state is sharded (``checkpoint_common.content_metadata``
+    for a save, what the checkpoint names for a load); ``common``: the plain state of the checkpoint loaded."""
     state = {"iteration": iteration, "checkpoint_version": checkpoint_dir.CHECKPOINT_VERSION,
              "consumed_train_samples": consumed["train"], "consumed_valid_samples": consumed["valid"],
-             "layout": _layout(args)}
+             "layout": checkpoint_common.layout(args)}
+    if not is_loading:  # a load reads them with the plain values, before (_read_common)
+        state["args"] = checkpoint_common.saved_args(args, consumed)
     if args.ckpt_format == fsdp_checkpoint.FORMAT:
-        return fsdp_checkpoint.state_dict(state, model, optimizer, scheduler, _rng_state() if with_rng else None,
-                                          is_loading, with_optimizer)
+        rng = _rng_state(args.expert_model_parallel_size > 1) if with_rng else None
+        return fsdp_checkpoint.state_dict(state, model, optimizer, scheduler, rng, is_loading, with_optimizer)
     chunks = [chunk.module if hasattr(chunk, "module") else chunk for chunk in model]
     model_states = [chunk.sharded_state_dict() for chunk in chunks]
     if len(chunks) == 1:
@@ -95,26 +119,19 @@ def _sharded_state(args, model: list, optimizer, scheduler, iteration: int, cons
         state.update({f"model{i}": s for i, s in enumerate(model_states)})
     if with_optimizer:  # the optimizer finds each parameter's sharding in the model's, all chunks nested
         every_chunk = {f"model{i}": chunk_state for i, chunk_state in enumerate(model_states)}
-        state["optimizer"] = optimizer.sharded_state_dict(every_chunk, is_loading=is_loading,
-                                                          metadata=OPTIMIZER_FORMAT)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            every_chunk, is_loading=is_loading, metadata=optimizer_format or checkpoint_common.content_metadata(args))
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
-        state["rng_state"] = _rng_state()
+        state.update(_rng_entries(args, common if is_loading else None))
     return state
 
 
-def _layout(args) -> dict:
-    return {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-            "vpp": args.virtual_pipeline_model_parallel_size, "dp": args.data_parallel_size,
-            "ep": args.expert_model_parallel_size,
-            "etp": args.expert_tensor_parallel_size or args.tensor_model_parallel_size}
-
-
-def _same_rng_layout(saved: dict, args) -> bool:
+def _same_rng_layout(common: dict, args) -> bool:
     """Whether the checkpoint's RNG states belong to this layout's ranks: the same TP, PP, VPP, EP and
-    expert TP, and with EP > 1 the same DP (``_rng_state``). A checkpoint from before expert parallelism
+    expert TP, and with EP > 1 the same DP (``_rng_entries``). A checkpoint from before expert parallelism
     was recorded had EP 1 and expert TP = TP."""
-    current = _layout(args)
+    current, saved = checkpoint_common.layout(args), checkpoint_common.saved_layout(common)
     saved = {"ep": 1, "etp": saved.get("tp"), **saved}
     keys = ("tp", "pp", "vpp", "ep", "etp") + (("dp",) if current["ep"] > 1 else ())
     return all(saved.get(key) == current[key] for key in keys)
@@ -142,7 +159,8 @@ def save_checkpoint(args, iteration: int, model: list, optimizer, scheduler, con
         else:
             with checkpoint_writes.results_in_process():  # synchronous: no Manager process for the results
                 # ends once every rank's files are written
-                dist_checkpointing.save(state, str(partial), sharded_strategy=_save_strategy(args))
+                dist_checkpointing.save(state, str(partial), sharded_strategy=_save_strategy(args),
+                                        content_metadata=checkpoint_common.content_metadata(args))
         if rank == 0:
             checkpoint_dir.publish(partial, iteration)
     return final
@@ -166,6 +184,7 @@ def _schedule_async_save(state: dict, partial: Path, iteration: int, args) -> No
     takes_strategy = "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
     strategy = {"async_strategy": "mcore"} if takes_strategy else {}
     request = dist_checkpointing.save(state, str(partial), sharded_strategy=_save_strategy(args),
+                                      content_metadata=checkpoint_common.content_metadata(args),
                                       async_sharded_save=True, **strategy)
 
     def publish() -> None:
@@ -305,6 +324,22 @@ def _load_model_and_optimizer(args, checkpoint: Path, state: dict, model: list, 
     return loaded
 
 
+def _require_reshardable(checkpoint: Path, optimizer_format: dict, saved: dict, args) -> None:
+    """Megatron-LM saves the distributed optimizer's state ``dp_reshardable`` unless told
+    --dist-ckpt-optim-fully-reshardable: laid out as its buffers are, which only the same TP, PP, VPP, EP and
+    expert TP read (megatron raises deep inside its load otherwise). One line, before any rank reads."""
+    sharding = optimizer_format.get("distrib_optim_sharding_type")
+    current = checkpoint_common.layout(args)
+    differ = {key: (saved.get(key), current[key]) for key in ("tp", "pp", "vpp", "ep", "etp")
+              if saved.get(key) != current[key]}
+    if sharding not in checkpoint_common.FULLY_RESHARDABLE and differ:
+        sizes = ", ".join(f"{key} {was} (now {now})" for key, (was, now) in differ.items())
+        raise ArgumentError(
+            f"--load {checkpoint}: its distributed optimizer state is {sharding}, which reads only at the layout "
+            f"that saved it ({sizes}): resume at that layout, load the weights alone with --no-load-optim, or "
+            "save it with --dist-ckpt-optim-fully-reshardable (Megatron-LM)")
+
+
 def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]:
     """Load ``args.load`` (the latest iteration, or a converted release) into model, optimizer and
     scheduler; returns the iteration to continue from and the consumed samples."""
@@ -315,13 +350,18 @@ def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]
             print(f"no checkpoint in {args.load}: training from scratch", flush=True)
         return 0, consumed
     common = _read_common(args, checkpoint)
+    checkpoint_common.refuse_another_model(common, args, checkpoint)
     release = checkpoint.name == checkpoint_dir.RELEASE
     weights_only = release or args.finetune
-    same_layout = _same_rng_layout(common.get("layout", {}), args)
+    same_layout = _same_rng_layout(common, args)
     with_optimizer = not (weights_only or args.no_load_optim or "opt_param_scheduler" not in common)
     with_rng = not (weights_only or args.no_load_rng) and same_layout
+    optimizer_format = checkpoint_common.loading_metadata(common)
+    if with_optimizer and args.use_distributed_optimizer:
+        _require_reshardable(checkpoint, optimizer_format, checkpoint_common.saved_layout(common), args)
     state = _sharded_state(args, model, optimizer, scheduler, 0, consumed, is_loading=True,
-                           with_optimizer=with_optimizer, with_rng=with_rng)
+                           with_optimizer=with_optimizer, with_rng=with_rng, optimizer_format=optimizer_format,
+                           common=common)
     if weights_only:
         state = {k: v for k, v in state.items() if k == "model" or k.startswith("model")}
     loaded = _load_model_and_optimizer(args, checkpoint, state, model, optimizer, with_optimizer)
@@ -331,9 +371,9 @@ def load_checkpoint(args, model: list, optimizer, scheduler) -> tuple[int, dict]
         _set_rng_state(loaded["rng_state"])
     if weights_only:
         return 0, consumed
-    consumed = {"train": common["consumed_train_samples"], "valid": common["consumed_valid_samples"]}
+    consumed = checkpoint_common.consumed_samples(common)
     if torch.distributed.get_rank() == 0:
+        saved_at = checkpoint_common.saved_layout(common)
         print(f"loaded {checkpoint} (iteration {common['iteration']}"
-              + ("" if same_layout else f", saved at {common.get('layout')}, RNG states not restored") + ")",
-              flush=True)
+              + ("" if same_layout else f", saved at {saved_at}, RNG states not restored") + ")", flush=True)
     return common["iteration"], consumed

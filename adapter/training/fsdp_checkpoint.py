@@ -9,8 +9,9 @@ checkpoint saved at one TP x DP resumes at another.
 
 It keeps the flow's checkpoint layout and its guarantee (``adapter.training.checkpointing``): every rank writes
 into the ``.partial`` directory, and rank 0 publishes it. torch writes ``.metadata`` once every rank's shards
-are written; megatron's ``metadata.json`` (its sharded backend named ``fsdp_dtensor``) is written after it, so
-the flow's completeness test (both files there) holds for this format too, and a load tells the formats apart.
+are written, the flow's completeness test for this format (``models.checkpoint_dir.is_complete``). Like
+Megatron-LM it writes no megatron ``metadata.json`` (the flow's before did, naming ``fsdp_dtensor``, and still
+load): Megatron-LM takes a directory with one for torch_dist, so it could not resume them.
 """
 
 from __future__ import annotations
@@ -20,14 +21,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.core import CheckpointingConfig, maybe_load_config, save_config
+from megatron.core.dist_checkpointing.core import maybe_load_config
 
 FORMAT = "fsdp_dtensor"
 # the plain values of a checkpoint (adapter.training.checkpointing's), read before the model is loaded
-PLAIN = ("iteration", "checkpoint_version", "consumed_train_samples", "consumed_valid_samples", "layout")
-# the RNG states under Megatron-LM's names (its get_rng_state's), keyed by the flow's (checkpointing._rng_state)
-RNG_NAMES = {"random": "random_rng_state", "numpy": "np_rng_state", "torch": "torch_rng_state",
-             "device": "cuda_rng_state", "tracker": "rng_tracker_states"}
+PLAIN = ("iteration", "checkpoint_version", "consumed_train_samples", "consumed_valid_samples", "layout", "args")
 
 
 def state_dict(plain: dict, model: list, optimizer, scheduler, rng, is_loading: bool, with_optimizer: bool) -> dict:
@@ -45,7 +43,7 @@ def state_dict(plain: dict, model: list, optimizer, scheduler, rng, is_loading: 
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if rng is not None:
-        state["rng_state"] = {str(rng.global_offset): [{RNG_NAMES[k]: v for k, v in s.items()} for s in rng.data]}
+        state["rng_state"] = {str(rng.global_offset): rng.data}
     return state
 
 
@@ -78,18 +76,17 @@ def _prepared(state: dict, model: list, model_config) -> dict:
 
 
 def save(state: dict, directory: Path, model: list, model_config) -> None:
-    """Every rank writes its shards of ``state``, prepared as Megatron-LM prepares it, into ``directory``;
-    then rank 0 marks it complete."""
+    """Every rank writes its shards of ``state``, prepared as Megatron-LM prepares it, into ``directory``; torch
+    writes ``.metadata`` last, once every rank's are written."""
     dcp.save(_prepared(state, model, model_config), checkpoint_id=str(directory))
-    if torch.distributed.get_rank() == 0:  # torch's save has written .metadata on return
-        save_config(CheckpointingConfig(sharded_backend=FORMAT), str(directory))
 
 
 def load(state: dict, directory: Path, model: list, optimizer, with_optimizer: bool, model_config) -> dict:
     """Read ``directory`` into ``state`` as Megatron-LM does: torch reads into the prepared state (the SwiGLU
     halves are views of ``state``'s fused tensors), then the model chunks and, with ``with_optimizer``, the
     optimizer load ``state``'s; returns what was read, its RNG states this rank's."""
-    prepared = _prepared(state, model, model_config)
+    # the plain values were read before (read_plain); Megatron-LM's checkpoint lacks the flow's own among them
+    prepared = {key: value for key, value in _prepared(state, model, model_config).items() if key not in PLAIN}
     _refuse_missing(prepared, directory)
     dcp.load(prepared, checkpoint_id=str(directory))
     loaded = {**prepared, **{key: state[key] for key in state if key == "optimizer" or key.startswith("model")}}
@@ -98,8 +95,7 @@ def load(state: dict, directory: Path, model: list, optimizer, with_optimizer: b
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
     if "rng_state" in loaded:  # this rank's, as the torch_dist format's ShardedObject gives it back
-        [states] = loaded["rng_state"].values()
-        loaded["rng_state"] = [{k: s[name] for k, name in RNG_NAMES.items()} for s in states]
+        [loaded["rng_state"]] = loaded["rng_state"].values()
     return loaded
 
 
@@ -139,6 +135,10 @@ def read_plain(directory: Path) -> dict:
 
 
 def format_of(directory: Path) -> str:
-    """The format megatron's ``metadata.json`` in ``directory`` names (torch_dist for megatron's own saves)."""
+    """The format megatron's ``metadata.json`` in ``directory`` names (torch_dist for megatron's own saves, and
+    fsdp_dtensor for the flow's before it wrote none); without one, torch's checkpoint is fsdp_dtensor, as
+    Megatron-LM reads it under Megatron-FSDP."""
     config = maybe_load_config(str(directory))
-    return config.sharded_backend if config is not None else "torch_dist"
+    if config is not None:
+        return config.sharded_backend
+    return FORMAT if (directory / ".metadata").is_file() else "torch_dist"
