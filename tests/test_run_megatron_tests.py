@@ -237,6 +237,13 @@ def checkout(tmp_path_factory) -> Path:
     return root
 
 
+# --timeout of the runs that end in a hang (killed that long after the last event of any rank): a fresh set of
+# 2 ranks on these fake tests goes from its first event to its last in 3 to 12 s on 2 loaded cores (load 2.5
+# to 6.6), its events a few seconds apart at most, so 15 s still tells the hang from progress, at 15 s less
+# per hang than 30 s
+HANG_TIMEOUT = 15
+
+
 def run_harness(checkout: Path, *args: str, timeout: float = 240) -> tuple[int, list[str], dict]:
     """The harness as a user runs it: (exit status, output lines, JSON report)."""
     report = checkout / f"report-{abs(hash(args))}.json"
@@ -301,7 +308,7 @@ def test_a_failure_on_one_rank_fails_the_test(basic_run):
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_a_hung_test_is_killed_counted_failed_and_the_rest_still_run(checkout):
-    status, lines, report = run_harness(checkout, "--nproc", "2", "--timeout", "30",
+    status, lines, report = run_harness(checkout, "--nproc", "2", "--timeout", str(HANG_TIMEOUT),
                                         "tests/unit_tests/hang/test_hang.py")
     assert lines[-1] == "1 passed, 1 failed, 0 skipped"
     assert status == 1
@@ -337,8 +344,8 @@ def test_groups_nothing_holds_are_destroyed_and_cost_no_fresh_set(checkout):
                                                 ("0", "1 passed, 1 failed, 0 skipped")])
 def test_ranks_that_made_different_numbers_of_groups_go_on_in_a_fresh_set(checkout, per_set, last_line):
     """With --groups-per-set 0 the ranks compare nothing after a test: the next test's collective hangs."""
-    _, lines, report = run_harness(checkout, "--nproc", "2", "--timeout", "30", "--groups-per-set", per_set,
-                                   "tests/unit_tests/sets/test_diverge.py")
+    _, lines, report = run_harness(checkout, "--nproc", "2", "--timeout", str(HANG_TIMEOUT), "--groups-per-set",
+                                   per_set, "tests/unit_tests/sets/test_diverge.py")
     assert lines[-1] == last_line, lines
     if per_set == "0":
         after = report["tests"]["tests/unit_tests/sets/test_diverge.py::test_after_it"]
