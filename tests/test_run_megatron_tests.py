@@ -257,8 +257,10 @@ def run_harness(checkout: Path, *args: str, timeout: float = 240) -> tuple[int, 
 
 @pytest.fixture(scope="module")
 def basic_run(checkout):
-    return run_harness(checkout, "--nproc", "2", "--timeout", "120", "tests/unit_tests/test_basic.py",
-                       "tests/unit_tests/nopackage")
+    """The basic tests, the one outside the package and the backend's, on the cpu backend: one set of ranks."""
+    return run_harness(checkout, "--nproc", "2", "--timeout", "120", "--backend", "cpu",
+                       "tests/unit_tests/test_basic.py", "tests/unit_tests/nopackage",
+                       "tests/unit_tests/test_backend.py")
 
 
 # ---------------------------------------------------------------- the harness on the fake checkout
@@ -266,9 +268,9 @@ def basic_run(checkout):
 @pytest.mark.slow
 def test_last_line_counts_and_exit_status(basic_run):
     status, lines, report = basic_run
-    assert lines[-1] == "5 passed, 2 failed, 1 skipped"
+    assert lines[-1] == "6 passed, 2 failed, 1 skipped"
     assert status == 1
-    assert report["directories"] == {"tests/unit_tests": {"passed": 4, "failed": 2, "skipped": 1},
+    assert report["directories"] == {"tests/unit_tests": {"passed": 5, "failed": 2, "skipped": 1},
                                      "tests/unit_tests/nopackage": {"passed": 1, "failed": 0, "skipped": 0}}
 
 
@@ -354,10 +356,16 @@ def test_ranks_that_made_different_numbers_of_groups_go_on_in_a_fresh_set(checko
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["cpu", "npu"])
-def test_backend_routes_the_tests_nccl_and_torch_cuda(checkout, backend):
-    status, lines, _ = run_harness(checkout, "--nproc", "2", "--backend", backend,
-                                   "tests/unit_tests/test_backend.py")
+def test_backend_routes_the_tests_nccl_and_torch_cuda_on_cpu(basic_run):
+    """In the basic run (--backend cpu): passed on both ranks, as in a run of its own."""
+    outcome = basic_run[2]["tests"]["tests/unit_tests/test_backend.py::test_routed_to_the_backend"]
+    assert (outcome["outcome"], outcome["ranks"]) == ("passed", {"0": "passed", "1": "passed"}), outcome
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_backend_routes_the_tests_nccl_and_torch_cuda_on_npu(checkout):
+    status, lines, _ = run_harness(checkout, "--nproc", "2", "--backend", "npu", "tests/unit_tests/test_backend.py")
     assert (status, lines[-1]) == (0, "1 passed, 0 failed, 0 skipped"), lines
 
 
