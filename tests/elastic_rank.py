@@ -87,7 +87,8 @@ def _stall_at(iteration: int):
     process group) that SIGKILLs the stopped rank once torchrun's SIGTERM waits for it."""
     def stall(log, at, *args, **kwargs):
         if at == iteration:
-            subprocess.Popen([sys.executable, "-c", _KILL_ON_SIGTERM, str(os.getpid())], start_new_session=True)
+            subprocess.Popen([sys.executable, "-c", _KILL_ON_SIGTERM, str(os.getpid())], start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # at worst torchrun's 30 s
             os.kill(os.getpid(), signal.SIGSTOP)
     return stall
 
