@@ -320,16 +320,35 @@ def test_a_hung_test_is_killed_counted_failed_and_the_rest_still_run(checkout):
     assert report["tests"]["tests/unit_tests/hang/test_hang.py::test_after_the_hang"]["outcome"] == "passed"
 
 
+@pytest.fixture(scope="module")
+def unlimited_run(checkout):
+    """--groups-per-set 0, the ranks comparing nothing after a test, over the diverging tests (the second hangs
+    and is killed), then the sets' tests in the fresh set that goes on: each part as in a run of its own."""
+    return run_harness(checkout, "--nproc", "2", "--timeout", str(HANG_TIMEOUT), "--groups-per-set", "0",
+                       "tests/unit_tests/sets/test_diverge.py", "tests/unit_tests/sets/test_sets.py")
+
+
+def _outcomes(report: dict, module: str) -> dict[str, str]:
+    prefix = f"tests/unit_tests/sets/{module}::"
+    return {nodeid[len(prefix):]: test["outcome"] for nodeid, test in report["tests"].items()
+            if nodeid.startswith(prefix)}
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("per_set, last_line", [("1", "3 passed, 0 failed, 0 skipped"),
-                                                ("0", "1 passed, 2 failed, 0 skipped")])
-def test_groups_per_set_runs_each_set_in_fresh_ranks(checkout, per_set, last_line):
-    _, lines, report = run_harness(checkout, "--nproc", "2", "--groups-per-set", per_set,
-                                   "tests/unit_tests/sets/test_sets.py")
-    assert lines[-1] == last_line, lines
-    if per_set == "0":  # one set ran all three: the later two saw the first's process
-        assert "test number 2" in report["tests"]["tests/unit_tests/sets/test_sets.py::test_two"]["reason"]
+def test_groups_per_set_runs_each_set_in_fresh_ranks(checkout):
+    _, lines, _ = run_harness(checkout, "--nproc", "2", "--groups-per-set", "1", "tests/unit_tests/sets/test_sets.py")
+    assert lines[-1] == "3 passed, 0 failed, 0 skipped", lines
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_without_a_groups_limit_one_set_runs_every_test(unlimited_run):
+    """One set ran all three sets' tests: the later two saw the first's process."""
+    _, lines, report = unlimited_run
+    assert lines[-1] == "2 passed, 3 failed, 0 skipped", lines  # with the diverging tests' 1 passed, 1 failed
+    assert _outcomes(report, "test_sets.py") == {"test_one": "passed", "test_two": "failed", "test_three": "failed"}
+    assert "test number 2" in report["tests"]["tests/unit_tests/sets/test_sets.py::test_two"]["reason"]
 
 
 @pytest.mark.multiproc
@@ -342,16 +361,21 @@ def test_groups_nothing_holds_are_destroyed_and_cost_no_fresh_set(checkout):
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("per_set, last_line", [("400", "2 passed, 0 failed, 0 skipped"),
-                                                ("0", "1 passed, 1 failed, 0 skipped")])
-def test_ranks_that_made_different_numbers_of_groups_go_on_in_a_fresh_set(checkout, per_set, last_line):
+def test_ranks_that_made_different_numbers_of_groups_go_on_in_a_fresh_set(checkout):
+    _, lines, _ = run_harness(checkout, "--nproc", "2", "--timeout", str(HANG_TIMEOUT), "--groups-per-set", "400",
+                              "tests/unit_tests/sets/test_diverge.py")
+    assert lines[-1] == "2 passed, 0 failed, 0 skipped", lines
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_without_a_groups_limit_the_test_after_diverging_ranks_hangs(unlimited_run):
     """With --groups-per-set 0 the ranks compare nothing after a test: the next test's collective hangs."""
-    _, lines, report = run_harness(checkout, "--nproc", "2", "--timeout", str(HANG_TIMEOUT), "--groups-per-set",
-                                   per_set, "tests/unit_tests/sets/test_diverge.py")
-    assert lines[-1] == last_line, lines
-    if per_set == "0":
-        after = report["tests"]["tests/unit_tests/sets/test_diverge.py::test_after_it"]
-        assert after["reason"].startswith("killed: no rank reported progress"), after
+    _, _, report = unlimited_run
+    assert _outcomes(report, "test_diverge.py") == {"test_makes_one_more_group_on_rank_1": "passed",
+                                                    "test_after_it": "failed"}
+    after = report["tests"]["tests/unit_tests/sets/test_diverge.py::test_after_it"]
+    assert after["reason"].startswith("killed: no rank reported progress"), after
 
 
 @pytest.mark.multiproc
