@@ -238,9 +238,9 @@ def checkout(tmp_path_factory) -> Path:
 
 
 # --timeout of the runs that end in a hang (killed that long after the last event of any rank): a fresh set of
-# 2 ranks on these fake tests goes from its first event to its last in 3 to 12 s on 2 loaded cores (load 2.5
-# to 6.6), its events a few seconds apart at most, so 15 s still tells the hang from progress, at 15 s less
-# per hang than 30 s
+# 2 ranks on these fake tests went from its first event to its last in 3 to 12 s on 2 loaded cores (load 2.5
+# to 6.6), so no gap between two events of a healthy set reaches 15 s, which still tells the hang from
+# progress, at 15 s less per hang than 30 s
 HANG_TIMEOUT = 15
 
 
