@@ -22,6 +22,8 @@ from tests.conftest import DOUBLES
 from tests.distributed import run_ranks
 from tests.sharding_ranks import fsdp2_resume, swiglu_split_resume, train, train_fsdp2, train_from_checkpoint
 
+pytestmark = pytest.mark.multiproc  # the ddp_reference fixture starts ranks (a fixture cannot carry marks)
+
 
 def test_a_megatron_fsdp_run_without_einops_is_refused_in_one_line_naming_the_install(monkeypatch):
     validate = sharding.refuse_unready_fsdp(lambda args: "validated")
