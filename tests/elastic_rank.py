@@ -6,7 +6,9 @@ generation of that number (torchrun's TORCHELASTIC_RESTART_COUNT), the rank of t
 - ``startup``: is SIGKILLed as it starts megatron's model-parallel groups (its peers are then in ``new_group``);
 - ``step:N``: is SIGKILLed as iteration N ends (before its save, if N is one);
 - ``save:N``: is SIGKILLed once its part of iteration N's checkpoint is written, before the save is published;
-- ``stall:N``: stops answering as iteration N ends (SIGSTOP: alive, silent, its connections open);
+- ``stall:N``: stops answering as iteration N ends (SIGSTOP: alive, silent, its connections open), and is
+  SIGKILLed as soon as a SIGTERM waits for it (torchrun stopping the group; torchrun itself would SIGKILL the
+  stopped process only after 30 s, which its restart path does not let one shorten);
 - ``slow:S``: sleeps S seconds in every iteration from the second on (a straggler).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,13 +60,46 @@ def _signal_at(iteration: int, sig: int):
     return lambda log, at, *a, **k: at == iteration and os.kill(os.getpid(), sig)
 
 
+# SIGKILLs the process of pid argv[1] once a SIGTERM is pending for it (a stopped process keeps its SIGTERM
+# pending when it handles the signal), and ends when that process is gone
+_KILL_ON_SIGTERM = f"""
+import os, sys, time
+pid = int(sys.argv[1])
+while True:
+    try:
+        status = dict(line.split(":", 1) for line in open(f"/proc/{{pid}}/status").read().splitlines())
+    except OSError:
+        break
+    if status["State"].split()[0] in "ZX":
+        break
+    if (int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)) & 1 << {signal.SIGTERM - 1}:
+        try:
+            os.kill(pid, {signal.SIGKILL})
+        except OSError:
+            pass
+        break
+    time.sleep(0.1)
+"""
+
+
+def _stall_at(iteration: int):
+    """SIGSTOP at that iteration, with a watcher in a session of its own (torchrun signals the rank's
+    process group) that SIGKILLs the stopped rank once torchrun's SIGTERM waits for it."""
+    def stall(log, at, *args, **kwargs):
+        if at == iteration:
+            subprocess.Popen([sys.executable, "-c", _KILL_ON_SIGTERM, str(os.getpid())], start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # at worst torchrun's 30 s
+            os.kill(os.getpid(), signal.SIGSTOP)
+    return stall
+
+
 def _install(what: str, n: float | None) -> None:
     if what == "startup":
         _wrap(parallel_state, "initialize_model_parallel", before=lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
     elif what == "step":
         _wrap(training_log.TrainingLog, "step", after=_signal_at(n, signal.SIGKILL))
     elif what == "stall":
-        _wrap(training_log.TrainingLog, "step", after=_signal_at(n, signal.SIGSTOP))
+        _wrap(training_log.TrainingLog, "step", after=_stall_at(n))
     elif what == "slow":
         _wrap(training_log.TrainingLog, "step", before=lambda log, at, *a, **k: at > 1 and time.sleep(n))
     elif what == "save":

@@ -237,6 +237,13 @@ def checkout(tmp_path_factory) -> Path:
     return root
 
 
+# --timeout of the runs that end in a hang (killed that long after the last event of any rank): a fresh set of
+# 2 ranks on these fake tests went from its first event to its last in 3 to 12 s on 2 loaded cores (load 2.5
+# to 6.6), so no gap between two events of a healthy set reaches 15 s, which still tells the hang from
+# progress, at 15 s less per hang than 30 s
+HANG_TIMEOUT = 15
+
+
 def run_harness(checkout: Path, *args: str, timeout: float = 240) -> tuple[int, list[str], dict]:
     """The harness as a user runs it: (exit status, output lines, JSON report)."""
     report = checkout / f"report-{abs(hash(args))}.json"
@@ -250,8 +257,10 @@ def run_harness(checkout: Path, *args: str, timeout: float = 240) -> tuple[int, 
 
 @pytest.fixture(scope="module")
 def basic_run(checkout):
-    return run_harness(checkout, "--nproc", "2", "--timeout", "120", "tests/unit_tests/test_basic.py",
-                       "tests/unit_tests/nopackage")
+    """The basic tests, the one outside the package and the backend's, on the cpu backend: one set of ranks."""
+    return run_harness(checkout, "--nproc", "2", "--timeout", "120", "--backend", "cpu",
+                       "tests/unit_tests/test_basic.py", "tests/unit_tests/nopackage",
+                       "tests/unit_tests/test_backend.py")
 
 
 # ---------------------------------------------------------------- the harness on the fake checkout
@@ -259,9 +268,9 @@ def basic_run(checkout):
 @pytest.mark.slow
 def test_last_line_counts_and_exit_status(basic_run):
     status, lines, report = basic_run
-    assert lines[-1] == "5 passed, 2 failed, 1 skipped"
+    assert lines[-1] == "6 passed, 2 failed, 1 skipped"
     assert status == 1
-    assert report["directories"] == {"tests/unit_tests": {"passed": 4, "failed": 2, "skipped": 1},
+    assert report["directories"] == {"tests/unit_tests": {"passed": 5, "failed": 2, "skipped": 1},
                                      "tests/unit_tests/nopackage": {"passed": 1, "failed": 0, "skipped": 0}}
 
 
@@ -301,7 +310,7 @@ def test_a_failure_on_one_rank_fails_the_test(basic_run):
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_a_hung_test_is_killed_counted_failed_and_the_rest_still_run(checkout):
-    status, lines, report = run_harness(checkout, "--nproc", "2", "--timeout", "30",
+    status, lines, report = run_harness(checkout, "--nproc", "2", "--timeout", str(HANG_TIMEOUT),
                                         "tests/unit_tests/hang/test_hang.py")
     assert lines[-1] == "1 passed, 1 failed, 0 skipped"
     assert status == 1
@@ -311,16 +320,35 @@ def test_a_hung_test_is_killed_counted_failed_and_the_rest_still_run(checkout):
     assert report["tests"]["tests/unit_tests/hang/test_hang.py::test_after_the_hang"]["outcome"] == "passed"
 
 
+@pytest.fixture(scope="module")
+def unlimited_run(checkout):
+    """--groups-per-set 0, the ranks comparing nothing after a test, over the diverging tests (the second hangs
+    and is killed), then the sets' tests in the fresh set that goes on: each part as in a run of its own."""
+    return run_harness(checkout, "--nproc", "2", "--timeout", str(HANG_TIMEOUT), "--groups-per-set", "0",
+                       "tests/unit_tests/sets/test_diverge.py", "tests/unit_tests/sets/test_sets.py")
+
+
+def _outcomes(report: dict, module: str) -> dict[str, str]:
+    prefix = f"tests/unit_tests/sets/{module}::"
+    return {nodeid[len(prefix):]: test["outcome"] for nodeid, test in report["tests"].items()
+            if nodeid.startswith(prefix)}
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("per_set, last_line", [("1", "3 passed, 0 failed, 0 skipped"),
-                                                ("0", "1 passed, 2 failed, 0 skipped")])
-def test_groups_per_set_runs_each_set_in_fresh_ranks(checkout, per_set, last_line):
-    _, lines, report = run_harness(checkout, "--nproc", "2", "--groups-per-set", per_set,
-                                   "tests/unit_tests/sets/test_sets.py")
-    assert lines[-1] == last_line, lines
-    if per_set == "0":  # one set ran all three: the later two saw the first's process
-        assert "test number 2" in report["tests"]["tests/unit_tests/sets/test_sets.py::test_two"]["reason"]
+def test_groups_per_set_runs_each_set_in_fresh_ranks(checkout):
+    _, lines, _ = run_harness(checkout, "--nproc", "2", "--groups-per-set", "1", "tests/unit_tests/sets/test_sets.py")
+    assert lines[-1] == "3 passed, 0 failed, 0 skipped", lines
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_without_a_groups_limit_one_set_runs_every_test(unlimited_run):
+    """One set ran all three sets' tests: the later two saw the first's process."""
+    _, lines, report = unlimited_run
+    assert lines[-1] == "2 passed, 3 failed, 0 skipped", lines  # with the diverging tests' 1 passed, 1 failed
+    assert _outcomes(report, "test_sets.py") == {"test_one": "passed", "test_two": "failed", "test_three": "failed"}
+    assert "test number 2" in report["tests"]["tests/unit_tests/sets/test_sets.py::test_two"]["reason"]
 
 
 @pytest.mark.multiproc
@@ -333,24 +361,35 @@ def test_groups_nothing_holds_are_destroyed_and_cost_no_fresh_set(checkout):
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("per_set, last_line", [("400", "2 passed, 0 failed, 0 skipped"),
-                                                ("0", "1 passed, 1 failed, 0 skipped")])
-def test_ranks_that_made_different_numbers_of_groups_go_on_in_a_fresh_set(checkout, per_set, last_line):
-    """With --groups-per-set 0 the ranks compare nothing after a test: the next test's collective hangs."""
-    _, lines, report = run_harness(checkout, "--nproc", "2", "--timeout", "30", "--groups-per-set", per_set,
-                                   "tests/unit_tests/sets/test_diverge.py")
-    assert lines[-1] == last_line, lines
-    if per_set == "0":
-        after = report["tests"]["tests/unit_tests/sets/test_diverge.py::test_after_it"]
-        assert after["reason"].startswith("killed: no rank reported progress"), after
+def test_ranks_that_made_different_numbers_of_groups_go_on_in_a_fresh_set(checkout):
+    _, lines, _ = run_harness(checkout, "--nproc", "2", "--timeout", str(HANG_TIMEOUT), "--groups-per-set", "400",
+                              "tests/unit_tests/sets/test_diverge.py")
+    assert lines[-1] == "2 passed, 0 failed, 0 skipped", lines
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["cpu", "npu"])
-def test_backend_routes_the_tests_nccl_and_torch_cuda(checkout, backend):
-    status, lines, _ = run_harness(checkout, "--nproc", "2", "--backend", backend,
-                                   "tests/unit_tests/test_backend.py")
+def test_without_a_groups_limit_the_test_after_diverging_ranks_hangs(unlimited_run):
+    """With --groups-per-set 0 the ranks compare nothing after a test: the next test's collective hangs."""
+    _, _, report = unlimited_run
+    assert _outcomes(report, "test_diverge.py") == {"test_makes_one_more_group_on_rank_1": "passed",
+                                                    "test_after_it": "failed"}
+    after = report["tests"]["tests/unit_tests/sets/test_diverge.py::test_after_it"]
+    assert after["reason"].startswith("killed: no rank reported progress"), after
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_backend_routes_the_tests_nccl_and_torch_cuda_on_cpu(basic_run):
+    """In the basic run (--backend cpu): passed on both ranks, as in a run of its own."""
+    outcome = basic_run[2]["tests"]["tests/unit_tests/test_backend.py::test_routed_to_the_backend"]
+    assert (outcome["outcome"], outcome["ranks"]) == ("passed", {"0": "passed", "1": "passed"}), outcome
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_backend_routes_the_tests_nccl_and_torch_cuda_on_npu(checkout):
+    status, lines, _ = run_harness(checkout, "--nproc", "2", "--backend", "npu", "tests/unit_tests/test_backend.py")
     assert (status, lines[-1]) == (0, "1 passed, 0 failed, 0 skipped"), lines
 
 

@@ -22,6 +22,8 @@ from tests.conftest import DOUBLES
 from tests.distributed import run_ranks
 from tests.sharding_ranks import fsdp2_resume, swiglu_split_resume, train, train_fsdp2, train_from_checkpoint
 
+pytestmark = pytest.mark.multiproc  # the ddp_reference fixture starts ranks (a fixture cannot carry marks)
+
 
 def test_a_megatron_fsdp_run_without_einops_is_refused_in_one_line_naming_the_install(monkeypatch):
     validate = sharding.fsdp_requirements_in_one_line(lambda args: "validated")
@@ -35,12 +37,25 @@ def test_a_megatron_fsdp_run_without_einops_is_refused_in_one_line_naming_the_in
     assert validate(argparse.Namespace(use_megatron_fsdp=True, save="ckpt")) == "validated"  # it saves
 
 
+@pytest.fixture(scope="module")
+def ddp_reference():
+    """The reference run of both half-the-bytes tests, DDP with the distributed optimizer for 10 steps at TP
+    ``tp`` on the cpu backend (the same run_ranks call in each): run once per TP."""
+    runs = {}
+
+    def reference(tp: int) -> list[dict]:
+        if tp not in runs:
+            runs[tp] = run_ranks(2 * tp, train, Run(tp=tp, steps=10), False)
+        return runs[tp]
+    return reference
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_fsdp_trains_the_distributed_optimizer_curve_on_half_the_bytes(tp):
+def test_megatron_fsdp_trains_the_distributed_optimizer_curve_on_half_the_bytes(tp, ddp_reference):
     run = Run(tp=tp, steps=10)
-    reference, sharded = run_ranks(2 * tp, train, run, False), run_ranks(2 * tp, train, run, True)
+    reference, sharded = ddp_reference(tp), run_ranks(2 * tp, train, run, True)
     for ref, fsdp in zip(reference, sharded):
         assert len(fsdp["losses"]) == 10
         assert max(abs(a - b) for a, b in zip(ref["losses"], fsdp["losses"])) <= 1e-5
@@ -102,9 +117,9 @@ def test_megatron_lm_s_swiglu_split_checkpoint_of_megatron_fsdp_resumes_exactly(
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, env", [(1, None), (2, None), (1, NPU_DOUBLE)], ids=["dp2", "tp2-dp2", "dp2-npu"])
-def test_torch_fsdp2_trains_the_distributed_optimizer_curve_on_half_the_bytes(tp, env):
+def test_torch_fsdp2_trains_the_distributed_optimizer_curve_on_half_the_bytes(tp, env, ddp_reference):
     run = Run(tp=tp, steps=10)
-    reference = run_ranks(2 * tp, train, run, False, env=env)
+    reference = ddp_reference(tp) if env is None else run_ranks(2 * tp, train, run, False, env=env)
     sharded = run_ranks(2 * tp, train_fsdp2, run, env=env)
     for ref, fsdp2 in zip(reference, sharded):
         assert len(fsdp2["losses"]) == 10
