@@ -25,6 +25,7 @@ environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). In order:
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import json
 import os
@@ -152,6 +153,7 @@ class DroppedGroups:
 
     def __init__(self):
         self.control, self.control_world = None, None  # the ranks' own group for agreeing on a count
+        self.controls_made = 0  # alike on every rank: each makes one at the same test end
 
     @classmethod
     def _torch_references(cls, pg, world) -> int:
@@ -181,10 +183,24 @@ class DroppedGroups:
 
         world = distributed_c10d._world
         if self.control is None or self.control_world is not world.default_pg:
-            self.control, self.control_world = dist.new_group(backend="gloo"), world.default_pg
-        counts = torch.tensor([len(world.pg_map) - 1, -world.group_count, world.group_count])  # less our own
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.control)
+            self.control, self.control_world = self._control_group(), world.default_pg
+        counts = torch.tensor([len(world.pg_map) - 1, -world.group_count, world.group_count])
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        self.control.allreduce([counts], options).wait()
         return int(counts[0]), (-int(counts[1]), int(counts[2]))
+
+    def _control_group(self):
+        """Every rank's gloo group, met in the default group's store under a name of the harness's own, outside
+        torch's tables: ``new_group`` names a group by how many groups this rank has made, which is what may
+        differ here, and would then pair ranks wrongly and hang where it should find that out."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        self.controls_made += 1
+        store = dist.PrefixStore(f"megatron_test_rank/control{self.controls_made}",
+                                 distributed_c10d._get_default_store())
+        return dist.ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(), datetime.timedelta(minutes=30))
 
 
 def outcome_of(report) -> dict:

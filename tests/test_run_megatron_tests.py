@@ -362,8 +362,11 @@ def test_groups_nothing_holds_are_destroyed_and_cost_no_fresh_set(checkout):
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_ranks_that_made_different_numbers_of_groups_go_on_in_a_fresh_set(checkout):
-    _, lines, _ = run_harness(checkout, "--nproc", "2", "--timeout", str(HANG_TIMEOUT), "--groups-per-set", "400",
-                              "tests/unit_tests/sets/test_diverge.py")
+    """The first set stops after the test that left rank 1 one group more, without a hang: with --max-attempts 1
+    a set killed there (the ranks' own agreement on the counts once paired them by torch's group count, the
+    very number that differs, and hung) would leave the next test failed."""
+    _, lines, _ = run_harness(checkout, "--nproc", "2", "--timeout", "120", "--groups-per-set", "400",
+                              "--max-attempts", "1", "tests/unit_tests/sets/test_diverge.py")
     assert lines[-1] == "2 passed, 0 failed, 0 skipped", lines
 
 
