@@ -204,5 +204,5 @@ def test_a_checkpoint_lacking_what_the_run_reads_is_refused_in_one_line(tmp_path
     with pytest.raises(ArgumentError) as refused:
         fsdp_checkpoint._refuse_missing(reads, tmp_path)
     assert str(refused.value) == (f"--load {tmp_path}: the checkpoint lacks 1 of the entries this run reads (e.g. "
-                                  "model.module.output_layer.weight): it was saved by another model or flow: load it "
+                                  "model.module.output_layer.weight): it was saved by another model: load it "
                                   "with the model and flags that saved it")

@@ -2,10 +2,10 @@
 wrapped model's DTensors (``state_dict_for_save_checkpoint``), the distributed optimizer's state one DTensor per
 parameter (its ``fsdp_dtensor`` sharding), prepared for uneven shards by megatron_fsdp
 (``preprocess_state_dict_for_uneven_dtensor``), through ``torch.distributed.checkpoint``; the plain values
-(iteration, consumed samples, scheduler) beside them, the RNG states under their (PP, TP) rank. Before torch
-reads or writes it, it is prepared as Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` prepares it, with
-the same megatron-core steps (``_prepared``): a SwiGLU ``linear_fc1`` is saved as its gate and up halves, so a
-checkpoint saved at one TP x DP resumes at another.
+(iteration, consumed samples, scheduler) beside them, the RNG states under their (PP, TP) rank ((PP, TP, DP) with
+EP > 1). Before torch reads or writes it, it is prepared as Megatron-LM's ``preprocess_fsdp_dtensor_state_dict``
+prepares it, with the same megatron-core steps (``_prepared``): a SwiGLU ``linear_fc1`` is saved as its gate and
+up halves, so a checkpoint saved at one TP x DP resumes at another.
 
 It keeps the flow's checkpoint layout and its guarantee (``adapter.training.checkpointing``): every rank writes
 into the ``.partial`` directory, and rank 0 publishes it. torch writes ``.metadata`` once every rank's shards
@@ -31,7 +31,7 @@ PLAIN = ("iteration", "checkpoint_version", "consumed_train_samples", "consumed_
 def state_dict(plain: dict, model: list, optimizer, scheduler, rng, is_loading: bool, with_optimizer: bool) -> dict:
     """What an fsdp_dtensor checkpoint holds before Megatron-LM's preparation (``_prepared``): ``plain``, each
     chunk's DTensors, the optimizer's and the scheduler's state with ``with_optimizer``, the RNG ShardedObject
-    ``rng``'s states under its rank's key, ``"(pp, tp)"``, and Megatron-LM's names (torch writes every rank's
+    ``rng``'s states under its rank's key (its ``global_offset``), and Megatron-LM's names (torch writes every rank's
     plain values, one copy per key). A load fills it in place."""
     state = dict(plain)
     chunks = [chunk.state_dict_for_save_checkpoint() for chunk in model]
@@ -101,7 +101,7 @@ def load(state: dict, directory: Path, model: list, optimizer, with_optimizer: b
 
 def _refuse_missing(prepared: dict, directory: Path) -> None:
     """One line where the checkpoint lacks tensors this run reads (torch's strict load would raise its own
-    traceback on every rank): another model's checkpoint, or another flow's."""
+    traceback on every rank): another model's checkpoint (either flow's checkpoint of this model reads)."""
     from megatron.core.transformer.fsdp_dtensor_checkpoint import flatten_state_dict
 
     from adapter.training.arguments import ArgumentError
@@ -112,7 +112,7 @@ def _refuse_missing(prepared: dict, directory: Path) -> None:
                      if torch.is_tensor(value) and key not in saved)
     if missing:
         raise ArgumentError(f"--load {directory}: the checkpoint lacks {len(missing)} of the entries this run "
-                            f"reads (e.g. {missing[0]}): it was saved by another model or flow: load it with the "
+                            f"reads (e.g. {missing[0]}): it was saved by another model: load it with the "
                             "model and flags that saved it")
 
 
