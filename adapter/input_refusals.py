@@ -36,67 +36,72 @@ class InputRefused(RefusedSetting):
 
 def refusal(exc: BaseException, args) -> InputRefused | None:
     """The one line for ``exc``, a check of megatron's own (``CHECK_FAILURES`` raised in a ``megatron.``
-    module) that failed on ``args``: the arguments its check reads, with their values, then megatron's
-    message, or its condition where the ``assert`` has none. None for anything else, which keeps its traceback."""
+    module) that failed on ``args``: the arguments its check reads (and those that made the check apply),
+    with their values, then megatron's message, or its condition where the ``assert`` has none. None for
+    anything else, which keeps its traceback."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     if (isinstance(exc, RefusedSetting) or not isinstance(exc, CHECK_FAILURES) or tb is None
             or not tb.tb_frame.f_globals.get("__name__", "").startswith("megatron.")):
         return None
-    test = _failed_test(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
-    names = list(dict.fromkeys(node.attr for node in ast.walk(test) if _is_args_attribute(node))) if test else []
+    test, guard = _failed_check(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+    names = [name for name in _names(guard) if getattr(args, name, None)] + _names(test)
     reason = " ".join(str(exc).split())
     if not reason:
-        condition = ast.unparse(test).replace("args.", "") if test else "an assertion"
-        reason = f"Megatron-LM's validate_args requires {condition}"
-    given = ", ".join(_as_given(name, args) for name in names)
+        reason = f"Megatron-LM's validate_args requires {_condition(test) if test else 'what an assertion says'}"
+        reason += f" when {_condition(guard)}" if guard else ""
+    given = ", ".join(_as_given(name, args) for name in dict.fromkeys(names))
     return InputRefused(f"{given}: {reason}" if given else reason)
 
 
-def _is_args_attribute(node: ast.AST) -> bool:
-    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "args"
+def _names(test: ast.expr | None) -> list[str]:
+    """The ``args.NAME`` a condition reads."""
+    return [node.attr for node in ast.walk(test) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "args"] if test else []
 
 
-def _failed_test(filename: str, lineno: int) -> ast.expr | None:
-    """The condition whose failure raised at ``lineno``: the ``assert``'s own, or that of the ``if`` whose
-    body raised; the innermost one that holds the line."""
+def _condition(test: ast.expr) -> str:
+    return ast.unparse(test).replace("args.", "")
+
+
+def _failed_check(filename: str, lineno: int) -> tuple[ast.expr | None, ast.expr | None]:
+    """(the condition whose failure raised at ``lineno``, the one it was checked under): an ``assert``'s
+    test and that of the innermost ``if`` around it, or the test of the ``if`` whose body raised."""
     try:
         tree = ast.parse("".join(linecache.getlines(filename)))
     except (SyntaxError, ValueError):
-        return None
-    found = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assert) and node.lineno <= lineno <= node.end_lineno:
-            span = (node.lineno, node.test)
-        elif isinstance(node, ast.If) and node.body[0].lineno <= lineno <= node.body[-1].end_lineno:
-            span = (node.body[0].lineno, node.test)
-        else:
-            continue
-        if found is None or span[0] >= found[0]:
-            found = span
-    return found[1] if found else None
+        return None, None
+    asserts = [node for node in ast.walk(tree) if isinstance(node, ast.Assert)
+               and node.lineno <= lineno <= node.end_lineno]
+    guards = [node for node in ast.walk(tree) if isinstance(node, ast.If)
+              and node.body[0].lineno <= lineno <= node.body[-1].end_lineno]
+    guard = max(guards, key=lambda node: node.lineno).test if guards else None
+    if asserts:
+        return max(asserts, key=lambda node: node.lineno).test, guard
+    return guard, None
 
 
 @functools.cache
-def _flags() -> dict[str, str]:
-    """Megatron-LM's option string for each argument name (``hidden_size``: ``--hidden-size``)."""
+def _flags() -> dict[str, argparse.Action]:
+    """Megatron-LM's option for each argument name (``hidden_size``: ``--hidden-size``)."""
     from megatron.training.arguments import add_megatron_arguments
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    return {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    return {action.dest: action for action in reversed(parser._actions) if action.option_strings}
 
 
 def _as_given(name: str, args) -> str:
-    """``--hidden-size 64``, ``--bf16``, ``--eval-interval unset``; a derived value (no flag) as ``name=value``."""
-    value = getattr(args, name, None)
-    flag = _flags().get(name)
-    if flag is None:
+    """``--hidden-size 64``, ``--bf16``, ``without --bf16``, ``--eval-interval unset``; a value no flag sets
+    (megatron derives it) as ``name=value``."""
+    value, action = getattr(args, name, None), _flags().get(name)
+    if action is None:
         return f"{name}={value}"
+    flag = action.option_strings[0]
+    if isinstance(action.const, bool):  # store_true / store_false: the flag given or not
+        return flag if value == action.const else f"without {flag}"
     if value is None:
         return f"{flag} unset"
-    if isinstance(value, bool):
-        return flag if value else f"{flag} off"
     return f"{flag} {' '.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
 
 
