@@ -17,7 +17,7 @@ from adapter import backend
 
 class RefusedSetting(ValueError):
     """A setting this backend cannot run, said in one line for the job (``adapter.run``) before any model
-    is built."""
+    is built; also the base of ``adapter.input_refusals.InputRefused`` (bad arguments or data)."""
 
 
 class CudaOnlyFeatureError(RefusedSetting):

@@ -28,7 +28,9 @@ A feature the script turns on that needs a CUDA library this backend lacks (``--
 ``run_refusing`` turns it into one line for the job (rank 0's) and exit status 2 on every rank, as a refused
 argument is. The exception is caught here, at the top of the script's run, rather than printed and exited
 inside the patch: megatron's code between the patch and here (its own ``try`` blocks) is left as it is, and a
-refusal raised later (a config or a constructor of a refused feature) ends the same way.
+refusal raised later (a config or a constructor of a refused feature) ends the same way, as does bad input
+to megatron.training (a failed check of its ``validate_args``, a missing or out-of-vocabulary corpus:
+``adapter.input_refusals``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from adapter.training import data, global_vars
-from adapter.training.data_check import DataError
+from adapter.corpus_check import DataError
 from adapter.training.tokenizer import build_tokenizer
 from scripts import preprocess_data, prepare_sample_data
 from tests import data_ranks
@@ -207,7 +207,7 @@ def test_single_dataset_splits_and_mock_data(sample_data):
 
 @pytest.mark.parametrize("data_path, message", [
     (None, "no training data: pass --data-path"),
-    (["/nowhere/corpus_text_document"], "--data-path '/nowhere/corpus_text_document': "
+    (["/nowhere/corpus_text_document"], "--data-path /nowhere/corpus_text_document: "
                                          "/nowhere/corpus_text_document.bin and"),
 ])
 def test_missing_data_is_a_value_error(data_path, message):

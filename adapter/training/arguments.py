@@ -19,6 +19,7 @@ import sys
 from typing import NoReturn
 
 import models
+from adapter.corpus_check import DataError, check_files
 from adapter.parallel import ModelShape, ParallelConfigError, PipelineSplit, check_sizes
 from adapter.kernels import context_parallel
 from adapter.training import offloading
@@ -821,9 +822,10 @@ def _check_data(args: argparse.Namespace) -> None:
         _require(len(args.data_path) % 2 == 0, "--data-path with several datasets is WEIGHT PREFIX pairs")
     prefixes = args.data_path[1::2] if args.data_path and len(args.data_path) > 1 else args.data_path or []
     for prefix in prefixes:
-        missing = [suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]
-        _require(not missing, f"--data-path {prefix}: {' and '.join(prefix + s for s in missing)} not found; pass "
-                              "the prefix scripts/preprocess_data.py wrote (without .bin/.idx)")
+        try:
+            check_files(prefix)
+        except DataError as exc:
+            raise ArgumentError(str(exc)) from None
     if args.tokenizer_type != "NullTokenizer":
         _require(args.tokenizer_model is not None, f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import os
 
 import torch
 from megatron.core import parallel_state
@@ -25,6 +24,7 @@ from packaging.version import Version
 
 from adapter import device
 from adapter.registry import installed_megatron_core_version
+from adapter.corpus_check import check_files
 from adapter.training.data_check import check_corpora
 from adapter.training.global_vars import get_args, get_tokenizer
 
@@ -71,10 +71,7 @@ def _blend(data_path):
                          "or --mock-data for synthetic tokens")
     blend = get_blend_from_list(data_path.split() if isinstance(data_path, str) else list(data_path))
     for prefix in blend[0]:
-        missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
-        if missing:
-            raise ValueError(f"--data-path {prefix!r}: {' and '.join(missing)} not found; a prefix names the "
-                             "files that scripts/preprocess_data.py writes, without .bin/.idx")
+        check_files(prefix)
     return blend
 
 

@@ -1,0 +1,56 @@
+"""Bad input to megatron.training, the registry entries (the mechanism: ``adapter/input_refusals.py``): a check
+of Megatron-LM's ``validate_args`` that fails, a missing --eval-interval, and a --data-path corpus that is
+missing or holds ids outside the vocabulary each end in one ``InputRefused`` line for the job, which
+``adapter.run`` prints from rank 0 with exit status 2 on every rank. megatron.training's code is unchanged;
+its own message is the reason. On 0.16.1 (no megatron.training in the wheel) they stay pending without a
+Megatron-LM checkout."""
+
+from __future__ import annotations
+
+import functools
+
+from adapter import input_refusals
+
+_T = "megatron.training."
+
+
+def one_line_refusals(validate_args):
+    """Outermost around ``validate_args`` (registered last): every rank fails the same check the same way,
+    before any process group exists, so its exception becomes the refusal; an exception from elsewhere
+    than megatron's checks keeps its traceback. Then the schedule check megatron lacks."""
+
+    @functools.wraps(validate_args)
+    def validate(args, *rest, **kwargs):
+        try:
+            validated = validate_args(args, *rest, **kwargs)
+        except input_refusals.CHECK_FAILURES as exc:
+            refused = input_refusals.refusal(exc, args)
+            if refused is None:
+                raise
+            raise refused from exc
+        input_refusals.check_schedule(args)
+        return validated
+
+    return validate
+
+
+def corpora_checked(build_iterators):
+    """Before megatron.training builds its datasets (on every rank, once per virtual stage): the corpora
+    checked (``input_refusals.check_data``), where a missing prefix would otherwise fail in megatron's
+    IndexedDataset on the data-reading ranks and leave the others waiting in its broadcast."""
+
+    @functools.wraps(build_iterators)
+    def build(*args, **kwargs):
+        from megatron.training.global_vars import get_args
+
+        input_refusals.check_data(get_args())
+        return build_iterators(*args, **kwargs)
+
+    return build
+
+
+def register(registry, versions: str) -> None:
+    registry.wrap(f"{_T}arguments:validate_args", one_line_refusals, versions=versions,
+                  reason="a failed assert in validate_args is a bare traceback on every rank: one line, exit 2")
+    registry.wrap(f"{_T}training:build_train_valid_test_data_iterators", corpora_checked, versions=versions,
+                  reason="a missing or out-of-vocabulary --data-path fails mid-build on some ranks: one line, exit 2")

@@ -1,0 +1,174 @@
+"""Bad input to megatron.training ends in one line for the job and exit status 2 on every rank (issue 50):
+megatron's own failed checks in ``validate_args``, a missing --eval-interval, a --data-path corpus that is
+missing or holds an id outside the vocabulary (adapter/input_refusals.py, patches/input_refusals.py).
+
+CI has no Megatron-LM checkout: these go through the wheel's megatron.training (parse_args, validate_args,
+build_train_valid_test_data_iterators). The ``megatron_lm``-marked ones run Megatron-LM's pretrain_gpt.py on
+2 ranks through ``adapter.run`` and scripts/launch.py (torchrun itself prints a traceback of its own for a
+failed worker; the launcher says it in one line)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+import adapter
+from adapter.input_refusals import InputRefused
+from tests.distributed import ROOT, _base_env, free_port
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+        "--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "256", "--transformer-impl", "local"]
+
+
+def _without(flag: str) -> list[str]:
+    at = TINY.index(flag)
+    return TINY[:at] + TINY[at + 2:]
+
+
+# (argv, the line): megatron's condition where its assert says nothing, its message where it says one,
+# the arguments its check reads with their values, and the check it lacks
+REFUSED = [
+    ([*TINY, "--num-attention-heads", "5"],
+     "--hidden-size 64, --num-attention-heads 5: Megatron-LM's validate_args requires hidden_size % "
+     "num_attention_heads == 0 when kv_channels is None"),
+    ([*TINY, "--train-samples", "100"], "--train-iters 6, --train-samples 100: expected iteration-based training"),
+    ([*TINY, "--fp16", "--bf16"], "--fp16, --bf16: Megatron-LM's validate_args requires not bf16 when fp16"),
+    ([*TINY, "--no-position-embedding"], "--no-position-embedding, --position-embedding-type learned_absolute: "
+                                         "--no-position-embedding is deprecated, use --position-embedding-type"),
+    (_without("--eval-interval"), "--eval-interval is not set: Megatron-LM's training needs it to size and "
+                                  "schedule validation (pass --eval-interval N; with --eval-iters 0 nothing is "
+                                  "evaluated)"),
+]
+
+
+@pytest.mark.parametrize("argv, line", REFUSED, ids=[line[:30] for _, line in REFUSED])
+def test_validate_args_refuses_in_one_line_naming_the_arguments(monkeypatch, argv, line):
+    from megatron.training.arguments import parse_args, validate_args
+
+    assert adapter.registry.status("megatron.training.arguments:validate_args") == "applied"
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(InputRefused) as refused:
+        validate_args(parse_args())
+    assert str(refused.value) == line
+
+
+def test_arguments_megatron_takes_pass(monkeypatch):
+    from megatron.training.arguments import parse_args, validate_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY, "--mock-data"])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert validate_args(parse_args()).num_attention_heads == 4
+
+
+_SCRIPT = """
+from megatron.training.arguments import parse_args, validate_args
+validate_args(parse_args())
+print("validated")
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_under_adapter_run_it_is_rank_0s_one_line_and_status_2_on_every_rank(tmp_path):
+    """As pretrain_gpt.py's initialize_megatron starts, through adapter.run: the refusal ends in its line."""
+    script = tmp_path / "start.py"
+    script.write_text(_SCRIPT)
+    ranks = [subprocess.Popen([sys.executable, "-m", "adapter.run", str(script), *TINY, "--num-attention-heads",
+                               "5"], cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=_base_env({"ADAPTER_BACKEND": "cpu", "RANK": str(rank), "WORLD_SIZE": "2"}))
+             for rank in (0, 1)]
+    (out0, err0), (out1, err1) = (rank.communicate(timeout=300) for rank in ranks)
+    assert [rank.returncode for rank in ranks] == [2, 2], err0[-3000:] + err1[-3000:]
+    assert err0.strip().splitlines()[-1] == f"error: {REFUSED[0][1]}", err0[-3000:]
+    assert "Traceback" not in err0 + err1 and "error:" not in err1 and err0.count("error:") == 1
+    assert "validated" not in out0 + out1
+
+
+# ---------------------------------------------------------------- the corpora, before megatron builds datasets
+def _corpus(prefix: str, documents: list[list[int]]) -> str:
+    """A corpus written by megatron-core's own IndexedDatasetBuilder, the format's reference."""
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for document in documents:
+        builder.add_document(torch.tensor(document), [len(document)])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def _data_args(**given) -> types.SimpleNamespace:
+    """The arguments megatron.training's data path reads (parse_args' defaults), with ``given``."""
+    defaults = dict(mock_data=False, data_path=None, data_args_path=None, train_data_path=None,
+                    valid_data_path=None, test_data_path=None, per_split_data_args_path=None, padded_vocab_size=256)
+    return types.SimpleNamespace(**{**defaults, **given})
+
+
+def _build_iterators(monkeypatch, args) -> None:
+    """The wrapped megatron.training target with ``args`` as megatron's global arguments. The refusal comes
+    before megatron's own code, which is never reached here (no process group, no provider)."""
+    from megatron.training import global_vars, training
+
+    assert adapter.registry.status("megatron.training.training:build_train_valid_test_data_iterators") == "applied"
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    training.build_train_valid_test_data_iterators(None)
+
+
+def test_a_missing_prefix_is_refused_naming_the_files_and_what_writes_them(monkeypatch, tmp_path):
+    good = _corpus(str(tmp_path / "good"), [[1, 2, 3]])
+    missing = str(tmp_path / "nosuch")
+    with pytest.raises(InputRefused) as refused:
+        _build_iterators(monkeypatch, _data_args(valid_data_path=[good], train_data_path=[missing]))
+    assert str(refused.value) == (f"--train-data-path {missing}: {missing}.bin and {missing}.idx not found; pass "
+                                  "the prefix scripts/preprocess_data.py wrote (without .bin/.idx)")
+
+
+def test_a_token_outside_the_padded_vocabulary_is_refused(monkeypatch, tmp_path):
+    prefix = _corpus(str(tmp_path / "oov"), [[1, 2, 3], [4, 256, 5]])
+    with pytest.raises(InputRefused) as refused:
+        _build_iterators(monkeypatch, _data_args(data_path=["0.5", prefix, "0.5", prefix]))
+    assert str(refused.value).startswith(f"{prefix}.bin holds token id 256, outside the model's vocabulary of 256")
+
+
+def test_corpora_megatron_can_read_pass_and_mock_data_is_not_checked(tmp_path):
+    from adapter.input_refusals import check_data
+
+    check_data(_data_args(data_path=[_corpus(str(tmp_path / "good"), [[1, 2, 3], [4, 255, 5]])]))
+    check_data(_data_args(mock_data=True, data_path=[str(tmp_path / "nosuch")]))
+
+
+# ---------------------------------------------------------------- Megatron-LM's pretrain_gpt.py, 2 ranks
+E2E = [(["--num-attention-heads", "5", "--mock-data"], "error: --hidden-size 64, --num-attention-heads 5: "),
+       (["--mock-data"], "error: --eval-interval is not set"),
+       (["--data-path", "{missing}"], "error: --data-path {missing}: {missing}.bin and {missing}.idx not found"),
+       (["--data-path", "{oov}"], "error: {oov}.bin holds token id 300, outside the model's vocabulary of 256")]
+
+
+@pytest.mark.megatron_lm
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, line", E2E, ids=["heads", "eval-interval", "missing-data", "oov-data"])
+def test_megatron_lms_pretrain_gpt_stops_in_one_line_with_status_2(tmp_path, flags, line):
+    from adapter.core_source import megatron_lm_checkout
+
+    rng = np.random.default_rng(0)
+    paths = {"missing": str(tmp_path / "nosuch"), "oov": _corpus(
+        str(tmp_path / "oov"), [list(rng.integers(1, 255, 200)) for _ in range(20)] + [[1, 300, 2]])}
+    base = _without("--eval-interval") if "--eval-interval" in line else TINY
+    argv = [*base, "--tensor-model-parallel-size", "2", "--split", "80,10,10",
+            *(flag.format(**paths) for flag in flags)]
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch.py"), "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "adapter.run",
+                           str(megatron_lm_checkout() / "pretrain_gpt.py"), *argv], cwd=tmp_path,
+                          env=_base_env({"ADAPTER_BACKEND": "cpu"}), capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    errors = [text for text in output.splitlines() if text.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1, output[-4000:]
+    assert errors[0].startswith(line.format(**paths)) and "Traceback" not in output, output[-4000:]
+    assert " iteration " not in output, output[-4000:]
