@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from adapter.core_source import megatron_lm_checkout
-from models.checkpoint_dir import COMMON_STATE_IN_SHARDS
+from adapter.checkpoint_dir import COMMON_STATE_IN_SHARDS
 from tests.distributed import ROOT
 
 pytestmark = pytest.mark.megatron_lm
@@ -155,7 +155,7 @@ def test_tp2_pp2_async_save_through_the_persistent_worker_writes_loadable_checkp
     assert (saved / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
     for iteration in ("iter_0000010", "iter_0000020"):
         assert (saved / iteration / "metadata.json").is_file()
-        # the common state: common.pt up to 0.18, inside the torch_dist files from 0.19 (models.checkpoint_dir)
+        # the common state: common.pt up to 0.18, inside the torch_dist files from 0.19 (adapter.checkpoint_dir)
         assert (saved / iteration / "common.pt").is_file() is not COMMON_STATE_IN_SHARDS
     assert re.search(r"successfully loaded checkpoint from \S+resume-from-10 .*at iteration 10", resumed)
     assert min(_losses(resumed)) == 11

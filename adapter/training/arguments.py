@@ -22,7 +22,7 @@ import models
 from adapter.parallel import ModelShape, ParallelConfigError, PipelineSplit, check_sizes
 from adapter.kernels import context_parallel
 from adapter.training import offloading
-from models import checkpoint_dir
+from adapter import checkpoint_dir
 
 
 class ArgumentError(ValueError):

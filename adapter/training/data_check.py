@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import DType
 
-from adapter.training.shared_outcome import shared_outcome
+from adapter.shared_outcome import shared_outcome
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
