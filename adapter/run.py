@@ -49,6 +49,7 @@ import adapter  # the backend and the patch table, before anything imports megat
 from adapter.core_source import (CHECKOUT, installed_megatron_core, megatron_lm_checkout, megatron_training,
                                  prefer_installed_megatron_core)
 from adapter.cuda_only_features import RefusedSetting
+from adapter.shared_outcome import StepFailed
 
 HOOK_DIR = Path(__file__).resolve().parent / "_spawn_hook"
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # where ``import adapter`` finds the adapter
@@ -137,6 +138,9 @@ def run_refusing(script: Path) -> int:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         _leave_groups()
         return REFUSED
+    except StepFailed as exc:  # a save that failed on this rank; the others stop with its line (shared_outcome)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint_dir, fp8_blocks, hf_hybrid, torch_dist_io
+from adapter import checkpoint_dir
+
+from . import fp8_blocks, hf_hybrid, torch_dist_io
 from . import hf as hf_format
 from .config import ModelConfig, ModelConfigError
 from .safetensors_io import SafetensorsError, SafetensorsFile, SafetensorsStreamWriter

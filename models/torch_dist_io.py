@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWrit
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from . import checkpoint_dir
-from .checkpoint_dir import COMMON_FILE, COMMON_STATE_IN_SHARDS, PARTIAL, RELEASE, CheckpointError
+from adapter import checkpoint_dir
+from adapter.checkpoint_dir import COMMON_FILE, COMMON_STATE_IN_SHARDS, PARTIAL, RELEASE, CheckpointError
 
 @contextlib.contextmanager
 def single_process_groups():

@@ -10,7 +10,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from models.checkpoint_dir import TRACKER
+from adapter.checkpoint_dir import TRACKER
 from models.torch_dist_io import load_model_weights
 from models.provider import make_model_provider
 from models.verify import hf_logits, megatron_logits

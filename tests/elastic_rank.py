@@ -29,7 +29,7 @@ import pretrain_gpt  # noqa: E402 - imports adapter, then megatron
 from megatron.core import parallel_state  # noqa: E402
 
 from adapter.training import checkpointing, training_log  # noqa: E402
-from models.checkpoint_dir import checkpoint_name  # noqa: E402
+from adapter.checkpoint_dir import checkpoint_name  # noqa: E402
 
 
 def _faults() -> list[tuple[str, float | None]]:

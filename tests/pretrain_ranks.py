@@ -19,7 +19,8 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 from megatron.core.enums import ModelType
 
-from models import checkpoint_dir, torch_dist_io
+from adapter import checkpoint_dir
+from models import torch_dist_io
 from adapter.training import checkpointing
 from adapter.training import pretrain as flow
 from models.verify import megatron_logits

@@ -162,7 +162,7 @@ def test_a_torch_checkpoint_without_megatron_s_metadata_json_is_a_complete_fsdp_
     import torch.distributed.checkpoint as dcp
 
     from adapter.training import fsdp_checkpoint
-    from models import checkpoint_dir
+    from adapter import checkpoint_dir
 
     megatron_lm = pytest.importorskip("megatron.training.checkpointing",
                                       reason="megatron-core's wheel ships megatron.training from 0.17")

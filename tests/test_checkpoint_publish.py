@@ -1,13 +1,13 @@
 """Publishing a checkpoint and finding the one to load, on directories laid out as each instant of a save
-leaves them (models.checkpoint_dir): quick, in process; tests/test_checkpoint_safety.py kills real ranks."""
+leaves them (adapter.checkpoint_dir): quick, in process; tests/test_checkpoint_safety.py kills real ranks."""
 
 from __future__ import annotations
 
 import pytest
 from packaging.version import Version
 
-from models import checkpoint_dir
-from models.checkpoint_dir import TRACKER, CheckpointError
+from adapter import checkpoint_dir
+from adapter.checkpoint_dir import TRACKER, CheckpointError
 
 
 def _checkpoint(path, content: str = "old", common: bool = True):

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from models.checkpoint_dir import TRACKER, is_complete
+from adapter.checkpoint_dir import TRACKER, is_complete
 from models.verify import hf_logits
 from tests.distributed import ROOT, RankFailure, launch_ranks, run_ranks
 from tests.pretrain_ranks import (KILL_STEPS, run_pretrain, run_pretrain_and_compare_with_saved,

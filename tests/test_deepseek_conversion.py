@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import models
-from models import checkpoint_dir, torch_dist_io
+from adapter import checkpoint_dir
+from models import torch_dist_io
 from models import hf as hf_format
 from models.conversion import ConversionError, hf_to_mcore, mcore_to_hf, read_hf_config
 from tests.conversion_ranks import _tokens, hf_logits_of, megatron_logits_at_layouts

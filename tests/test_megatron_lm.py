@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from adapter.core_source import megatron_lm_checkout
-from models.checkpoint_dir import COMMON_STATE_IN_SHARDS
+from adapter.checkpoint_dir import COMMON_STATE_IN_SHARDS
 from tests.distributed import ROOT
 
 pytestmark = pytest.mark.megatron_lm
@@ -155,7 +155,7 @@ def test_tp2_pp2_async_save_through_the_persistent_worker_writes_loadable_checkp
     assert (saved / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
     for iteration in ("iter_0000010", "iter_0000020"):
         assert (saved / iteration / "metadata.json").is_file()
-        # the common state: common.pt up to 0.18, inside the torch_dist files from 0.19 (models.checkpoint_dir)
+        # the common state: common.pt up to 0.18, inside the torch_dist files from 0.19 (adapter.checkpoint_dir)
         assert (saved / iteration / "common.pt").is_file() is not COMMON_STATE_IN_SHARDS
     assert re.search(r"successfully loaded checkpoint from \S+resume-from-10 .*at iteration 10", resumed)
     assert min(_losses(resumed)) == 11
@@ -255,3 +255,30 @@ def test_on_npu_megatron_lm_cuda_calls_reach_torch_npu_and_hccl_is_chosen():
     assert seen["views"] == [True] * 4
     assert (seen["device_count"], seen["current_device"], seen["arch"]) == (2, 1, 0)
     assert (seen["dist_backend"], seen["gradient_accumulation_fusion"], seen["connections"]) == ("hccl", False, "1")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_rank_killed_while_saving_is_restarted_from_the_last_complete_checkpoint(tmp_path):
+    """Saves every 2 iterations of 6; in torchrun's first generation rank 1 is SIGKILLed as it writes iteration
+    4 (tests/megatron_lm_killed_save.py), with ``--max-restarts 1``. Iteration 4 was being written into its
+    ``.partial`` directory, so the tracker still names the complete iteration 2: the second generation recovers
+    the directory, resumes from 2 and trains on to 6 (adapter/checkpoint_publish.py), on the curve of a run
+    that was never killed."""
+    args = TINY_QWEN + ["--train-iters", "6", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                        "1000", "--eval-iters", "0", "--eval-interval", "6", "--tensor-model-parallel-size", "2",
+                        "--attention-dropout", "0", "--hidden-dropout", "0", "--save", "saved", "--load", "saved",
+                        "--save-interval", "2"]
+    log = _run(tmp_path, "killed", 2, args,
+               launch=("--max-restarts", "1", str(ROOT / "tests" / "megatron_lm_killed_save.py")))
+    (tmp_path / "never-killed").mkdir()
+    uninterrupted = _losses(_run(tmp_path / "never-killed", "full", 2, args))
+    _, restarted = log.split("(exitcode: -9) local_rank: 1", 1)  # the first generation lost rank 1, as placed
+    assert "saved: removed .iter_0000004.partial, an unpublished write" in restarted
+    assert re.search(r"successfully loaded checkpoint from saved .* at iteration 2\n", restarted)
+    resumed = _losses(restarted)  # at 4 Megatron-LM's log prints the mean of 3 and 4, as after any restart
+    assert {i: resumed[i] for i in (3, 5, 6)} == {i: uninterrupted[i] for i in (3, 5, 6)}
+    saved = tmp_path / "saved"
+    assert (saved / "latest_checkpointed_iteration.txt").read_text() == "6"
+    assert sorted(p.name for p in saved.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000006",
+                                                       "latest_checkpointed_iteration.txt"]

@@ -132,7 +132,7 @@ def _bytes_by_rank(checkpoint) -> dict[int, int]:
 def test_fully_parallel_save_shares_the_writing_and_a_fully_parallel_load_resumes_bit_exactly(tmp_path):
     """At DP2 the first replica writes the whole model without --ckpt-fully-parallel-save; with it both
     ranks write a part; the checkpoint, read back with --ckpt-fully-parallel-load, continues the curve."""
-    from models import checkpoint_dir
+    from adapter import checkpoint_dir
     from tests.pretrain_ranks import stopped_at
 
     plain, shared = tmp_path / "plain", tmp_path / "shared"
@@ -188,7 +188,7 @@ def test_async_save_writes_the_sync_saves_checkpoint_and_resumes_bit_exactly(tmp
     """--async-save (Megatron-LM's meaning): the save is written in the background while training goes on (the
     curve is the one a synchronous save leaves), published once written (both iterations' checkpoints, the
     tracker at the last), holds the same tensors as the synchronous save's, and resumes the curve bit for bit."""
-    from models import checkpoint_dir
+    from adapter import checkpoint_dir
     from tests.pretrain_ranks import stopped_at
 
     sync, background = tmp_path / "sync", tmp_path / "async"

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from adapter.training.arguments import _reports_stats
-from models import checkpoint_dir
+from adapter import checkpoint_dir
 from tests.distributed import ROOT, _base_env, free_port, launch_script, run_ranks
 from tests.pretrain_ranks import logged_losses, run_pretrain, run_pretrain_noting_reruns
 

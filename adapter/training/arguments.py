@@ -23,7 +23,7 @@ from adapter.corpus_check import DataError, check_files
 from adapter.parallel import ModelShape, ParallelConfigError, PipelineSplit, check_sizes
 from adapter.kernels import context_parallel
 from adapter.training import offloading
-from models import checkpoint_dir
+from adapter import checkpoint_dir
 
 
 class ArgumentError(ValueError):

@@ -2,7 +2,7 @@
 scheduler, RNG states, iteration and consumed samples.
 
 A checkpoint is never lost: every rank writes into ``.iter_XXXXXXX.partial``; once all have, rank 0
-publishes it (``models.checkpoint_dir.publish``: an existing copy of the iteration moves aside, the new one
+publishes it (``adapter.checkpoint_dir.publish``: an existing copy of the iteration moves aside, the new one
 moves in, the tracker is replaced, the old copy goes, each step on disk before the next), so a process
 killed at any instant leaves a complete checkpoint to resume from, and the next start puts back what
 the kill interrupted (``recover_interrupted_save``). A save that fails on any rank stops every rank
@@ -25,7 +25,7 @@ Across megatron-core releases: a checkpoint saved under 0.16.1 (its common state
 0.19, at its layout or another (tests/test_checkpoint_upgrade.py): 0.19 reads common.pt as its legacy form, and
 the optimizer state is saved per parameter, so the 0.18 rework of the gradient buffers does not reach it. One
 saved under 0.19 keeps its common state inside the torch_dist files, which 0.16-0.18 cannot read: --load
-refuses it before any rank starts (``models.checkpoint_dir.readable_here``).
+refuses it before any rank starts (``adapter.checkpoint_dir.readable_here``).
 
 ``--async-save`` (Megatron-LM's meaning): megatron's asynchronous torch_dist save. Each rank hands its shards to
 a forked writer process and training goes on; once every rank's writer is done (checked each iteration, one
@@ -46,11 +46,10 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
-from adapter import checkpoint_writes, device, sharding
+from adapter import checkpoint_dir, checkpoint_writes, device, sharding
+from adapter.shared_outcome import shared_outcome
 from adapter.training import checkpoint_common, fsdp_checkpoint
 from adapter.training.arguments import ArgumentError
-from adapter.training.shared_outcome import shared_outcome
-from models import checkpoint_dir
 
 # with EP > 1 the flow's RNG states, one per (PP, TP, DP) rank, beside Megatron-LM's one per (PP, TP) rank
 PER_DATA_PARALLEL_RNG = "rng_state_per_data_parallel_rank"

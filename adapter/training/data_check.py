@@ -8,7 +8,7 @@ import datetime
 import torch
 
 from adapter.corpus_check import check_corpus
-from adapter.training.shared_outcome import shared_outcome
+from adapter.shared_outcome import shared_outcome
 
 
 def check_corpora(prefixes: list[str], vocab_size: int, scan_tokens: bool, timeout: datetime.timedelta) -> None:

@@ -9,7 +9,7 @@ up halves, so a checkpoint saved at one TP x DP resumes at another.
 
 It keeps the flow's checkpoint layout and its guarantee (``adapter.training.checkpointing``): every rank writes
 into the ``.partial`` directory, and rank 0 publishes it. torch writes ``.metadata`` once every rank's shards
-are written, the flow's completeness test for this format (``models.checkpoint_dir.is_complete``). Like
+are written, the flow's completeness test for this format (``adapter.checkpoint_dir.is_complete``). Like
 Megatron-LM it writes no megatron ``metadata.json`` (the flow's before did, naming ``fsdp_dtensor``, and still
 load): Megatron-LM takes a directory with one for torch_dist, so it could not resume them.
 """

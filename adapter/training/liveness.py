@@ -39,7 +39,7 @@ import torch
 
 import adapter
 from adapter import backend, device
-from adapter.training.shared_outcome import _end_children
+from adapter.shared_outcome import _end_children
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "gather_object",
                "scatter_object_list", "reduce_scatter",
