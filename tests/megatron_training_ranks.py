@@ -31,8 +31,9 @@ def megatron_args(argv: list[str]):
 
 
 def stall_after_initialize(timeout_minutes: float) -> None:
-    """megatron.training's ``_initialize_distributed`` (its model-parallel groups) at TP 2; then rank 1 stops answering, and rank 0 waits
-    in an all-reduce on megatron's tensor-parallel group, which the watch ends (it never returns)."""
+    """megatron.training's ``_initialize_distributed`` (its model-parallel groups) at TP 2; then rank 1 stops
+    answering, and rank 0 waits in an all-reduce on megatron's tensor-parallel group, which the watch ends (it
+    never returns)."""
     from megatron.core import parallel_state
     from megatron.training import initialize
 

@@ -8,7 +8,8 @@ before the data-parallel reduction (megatron's DDP, ``check_for_nan_in_grad``). 
 (``RerunDataIterator``); megatron's machine then says whether it reproduced. A non-fatal check (spiky loss)
 continues with the re-run step. A fatal one stops the run: every rank leaves before the optimizer step, so
 the weights and every checkpoint stay as they were after the last good iteration, and one line from rank 0
-names the iteration, the rank, the value and the verdict (``NonFiniteStep``; exit status 17, megatron's
+names the iteration, the rank, the value and the verdict (in adapter/nonfinite.py's words, which
+megatron.training's stop shares: patches/nonfinite.py) (``NonFiniteStep``; exit status 17, megatron's
 ``EXIT_CODE_FAILED_ON_RESULT_VALIDATION``). Megatron-LM would also save a checkpoint holding the machine's
 state so that another GPU re-runs the step; this flow saves no machine state, so it saves nothing and the
 job resumes from its last checkpoint.
