@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 
-import psutil
 import torch
+
+from adapter.liveness import end_children
 
 _STEPS = itertools.count()  # every rank enters the same steps in the same order: same keys everywhere
 _POLL = 0.5  # seconds between a watcher's looks at the store (one cheap request each)
@@ -90,13 +91,5 @@ def _watch(store, ended: threading.Event) -> None:
         if store.check(["failed"]):
             print(f"error: {_failure(store)}", file=sys.stderr, flush=True)
             _count_read(store)
-            _end_children()
+            end_children()
             os._exit(1)
-
-
-def _end_children() -> None:
-    """``os._exit`` skips the clean-up that would end the processes this one started (megatron's
-    checkpoint writer and its manager): end them, or they outlive the job."""
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()

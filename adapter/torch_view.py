@@ -109,11 +109,15 @@ def _with_routed_keyword(fn, keyword: str, route, position: int | None = None):
 
 class _View(types.ModuleType):
     """A module sharing ``source``'s namespace with some names replaced; names the source gains later
-    (lazily imported submodules) are looked up there."""
+    (lazily imported submodules) are looked up there. ``live``: every name not replaced is looked up in
+    ``source`` at each use rather than copied once, so that a patch of ``source`` applied after the view was
+    made reaches its callers (torch.distributed's collectives, wrapped when a run starts its hang watch:
+    adapter.liveness)."""
 
-    def __init__(self, source: types.ModuleType, doc: str, replaced: dict):
+    def __init__(self, source: types.ModuleType, doc: str, replaced: dict, live: bool = False):
         super().__init__(source.__name__, doc)
-        vars(self).update({k: v for k, v in vars(source).items() if k not in ("__doc__", "__getattr__")})
+        if not live:
+            vars(self).update({k: v for k, v in vars(source).items() if k not in ("__doc__", "__getattr__")})
         vars(self).update(replaced)
         self.__dict__["_view_of"] = source
 
@@ -156,7 +160,7 @@ def routed_distributed() -> types.ModuleType:
 
     return _View(dist, "backend='nccl' routed", {
         name: _with_routed_keyword(_as_at_call_time(dist, name), "backend", route_backend)
-        for name in _GROUP_CONSTRUCTORS if hasattr(dist, name)})
+        for name in _GROUP_CONSTRUCTORS if hasattr(dist, name)}, live=True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,4 @@
-"""adapter/training/liveness.py's tracking is made of patch-registry entries, registered when the flow starts
+"""adapter/liveness.py's tracking is made of patch-registry entries, registered when the flow starts
 watching: each with its target and reason, reverted with the rest. (Hangs themselves: tests/test_elastic.py.)"""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.distributed import ROOT, _base_env
 
 _PROBE = """
 import json, torch, adapter
-from adapter.training import liveness
+from adapter import liveness
 from megatron.core.pipeline_parallel import p2p_communication as p2p
 before = (torch.distributed.all_reduce, torch.distributed.barrier, p2p._batched_p2p_ops, p2p._p2p_ops)
 untouched = adapter.registry.status("torch.distributed:all_reduce")
@@ -45,7 +45,7 @@ def test_the_tracking_is_registry_patches_applied_on_watch_and_reverted():
 
 _QUEUED = """
 import sys, time, torch, adapter
-from adapter.training import liveness
+from adapter import liveness
 adapter.init_distributed()
 liveness.watch(0.02)
 liveness._queued[0] = True  # as on NCCL and HCCL: the call returns once the collective is queued
@@ -79,7 +79,7 @@ def test_a_collective_queued_on_the_device_that_never_runs_ends_the_process_with
 
 _ON_A_GPU = """
 import time, torch, adapter
-from adapter.training import liveness
+from adapter import liveness
 adapter.init_distributed()
 liveness.watch(1)
 torch.cuda._sleep(int(2e9))  # the stream is busy for a second or so: the all-reduce is queued behind it
@@ -107,7 +107,7 @@ def test_on_nccl_a_synchronous_collective_counts_until_the_gpu_has_run_it():
 # one of 0.6 s.
 _EXIT = """
 import atexit, sys, time, torch, adapter
-from adapter.training import liveness
+from adapter import liveness
 from scripts.pretrain_gpt import leave
 adapter.init_distributed()
 liveness.watch(1)
@@ -138,7 +138,7 @@ def test_the_flows_exit_with_the_watcher_busy_prints_no_traceback(when):
 
 _REDUCE_SCATTER = """
 import time, torch, adapter
-from adapter.training import liveness
+from adapter import liveness
 adapter.init_distributed()
 liveness.watch(0.02)  # a collective in flight for 0.7 s has timed out
 out = torch.empty(4)

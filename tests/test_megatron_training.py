@@ -24,3 +24,51 @@ def test_activation_logging_hooks_the_layers_a_model_holds_without_transformer_e
                                                lambda chunk, name: lambda *args: seen.append((chunk, name)))
     model(torch.ones(1, 2))
     assert seen == [("model_chunk0", "0")] and len(hooks) == 1
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_megatron_training_initialize_starts_the_watch_a_stalled_peer_ends_with_the_line():
+    """megatron.training's own ``_initialize_distributed`` (wrapped: patches/liveness.py) starts the watch
+    with its --distributed-timeout-minutes: rank 1 stalls after it, and rank 0, waiting in an all-reduce on
+    megatron's tensor-parallel group, ends within the timeout (3 s) with the one line naming the collective,
+    the group, its ranks and rank 1. megatron.training alone leaves it to gloo's own timeout, whose error
+    names no group."""
+    from tests.distributed import launch_ranks
+    from tests.megatron_training_ranks import stall_after_initialize
+
+    pytest.importorskip("megatron.training.initialize", reason="megatron.training ships in the wheel from 0.17")
+    ended = launch_ranks(2, stall_after_initialize, 0.05, env={"ADAPTER_BACKEND": "cpu"}, timeout=60)
+    assert ended[0]["status"] == 1, ended[0]["log"][-3000:]
+    assert ended[0]["log"].strip().splitlines()[-1] == (
+        "error: rank 0: all_reduce on the tensor model parallel group (ranks [0, 1]) timed out after 3 s "
+        "(--distributed-timeout-minutes 0.05): rank 1 did not arrive; ending this process"), ended[0]["log"][-3000:]
+    assert "the all-reduce returned" not in ended[0]["log"]
+
+
+@pytest.mark.multiproc
+def test_megatron_training_train_step_stops_on_a_nan_loss_in_one_line_and_never_saves_nan_weights(tmp_path):
+    """megatron.training's ``train_step`` with its rerun state machine validating results (what
+    ``--check-for-nan-in-loss-and-grad`` sets): a NaN loss at iteration 3 is re-run in place. Reproduced,
+    megatron asks for a checkpoint of iteration 2 and exit 16 (its re-run on another GPU), which stands when
+    the weights are finite and is dropped (exit 17) where one is NaN; not reproduced, exit 17 with nothing
+    saved. Each with the line naming the iteration, the value and what to do."""
+    from tests.distributed import run_ranks
+    from tests.megatron_training_ranks import nonfinite_step
+
+    pytest.importorskip("megatron.training.training", reason="megatron.training ships in the wheel from 0.17")
+    [outcomes] = run_ranks(1, nonfinite_step, str(tmp_path), env={"ADAPTER_BACKEND": "cpu"}, timeout=120)
+    found = "iteration 3: the loss is nan on rank 0 (found NaN in local forward loss calculation); "
+    decision, line = outcomes["reproduced"]
+    assert decision == [True, True, 16]
+    assert line == (f"{found}a re-run gave it again: the training diverged (lower --lr, now 0.001) or this device "
+                    f"is faulty. Megatron-LM saved iteration 2 to {tmp_path} with its re-run state: loaded on another "
+                    f"device it re-runs iteration 3 to tell which (on this one it exits 16 again); to train on, "
+                    f"resume from a checkpoint saved before the loss diverged")
+    decision, line = outcomes["nan weight"]
+    assert decision == [False, True, 17]
+    assert line.startswith(found) and line.endswith("The weights are not finite: nothing was saved after iteration 2")
+    decision, line = outcomes["transient"]
+    assert decision == [False, True, 17]
+    assert line == (f"{found}a re-run of the step gave another result: a transient fault. Nothing was saved after "
+                    f"iteration 2: resume from the last checkpoint")

@@ -8,7 +8,8 @@ before the data-parallel reduction (megatron's DDP, ``check_for_nan_in_grad``). 
 (``RerunDataIterator``); megatron's machine then says whether it reproduced. A non-fatal check (spiky loss)
 continues with the re-run step. A fatal one stops the run: every rank leaves before the optimizer step, so
 the weights and every checkpoint stay as they were after the last good iteration, and one line from rank 0
-names the iteration, the rank, the value and the verdict (``NonFiniteStep``; exit status 17, megatron's
+names the iteration, the rank, the value and the verdict (in adapter/nonfinite.py's words, which
+megatron.training's stop shares: patches/nonfinite.py) (``NonFiniteStep``; exit status 17, megatron's
 ``EXIT_CODE_FAILED_ON_RESULT_VALIDATION``). Megatron-LM would also save a checkpoint holding the machine's
 state so that another GPU re-runs the step; this flow saves no machine state, so it saves nothing and the
 job resumes from its last checkpoint.
@@ -39,6 +40,7 @@ from megatron.core.rerun_state_machine import (
     initialize_rerun_state_machine,
 )
 
+from adapter.nonfinite import first_rejection, what
 from adapter.training import global_vars
 
 SPIKY_LOSS_FACTOR = 10  # Megatron-LM's: a loss 10x the largest of the first 100 is spiky
@@ -98,12 +100,6 @@ def _iteration() -> int:
     return get_rerun_state_machine().current_iteration + 1
 
 
-def _what(message: str) -> str:
-    """The value a megatron validation message is about, in a few words."""
-    bucket = re.search(r"grad norm for bucket #(\d+)", message)
-    return f"the gradient norm of bucket #{bucket.group(1)}" if bucket else "the loss"
-
-
 @contextlib.contextmanager
 def one_line():
     """megatron's disabled mode raises a RuntimeError with a traceback from inside the schedule on the rank
@@ -116,7 +112,7 @@ def one_line():
         if failure is None:
             raise
         rank, value, message = failure.groups()
-        raise NonFiniteStep(f"iteration {_iteration()}, rank {rank}: {_what(message)} is {value} ({message}); "
+        raise NonFiniteStep(f"iteration {_iteration()}, rank {rank}: {what(message)} is {value} ({message}); "
                             f"--rerun-mode disabled: not re-run. Nothing was saved after iteration "
                             f"{_iteration() - 1}", report=True) from None
 
@@ -138,24 +134,14 @@ def forward_backward(run_step, data_iterator):
 def _stopped(machine) -> NonFiniteStep:
     """The one line: the first rank whose result was rejected, its value and message (gathered from every
     rank, once), and what the re-run showed."""
-    call = machine.failed_validation_call
-    mine = None if call is None else (torch.distributed.get_rank(), str(machine.initial_result), call.caller.message)
-    found = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(found, mine)
-    rank, value, message = next(f for f in found if f is not None)
+    rank, value, message = first_rejection(machine)
     verdict = ("the re-run gave another result: a transient fault; start the job again"
                if machine.state == RerunState.RERUNNING_IN_PLACE else
                "the re-run gave it again: the training diverged (lower --lr, check the data) or this device is "
                "faulty")
-    line = (f"iteration {_iteration()}, rank {rank}: {_what(message)} is {_value(value)} ({message}); {verdict}. "
+    line = (f"iteration {_iteration()}, rank {rank}: {what(message)} is {value} ({message}); {verdict}. "
             f"Nothing was saved after iteration {_iteration() - 1}")
     return NonFiniteStep(line, report=torch.distributed.get_rank() == 0)
-
-
-def _value(text: str) -> str:
-    """'tensor(nan)' -> 'nan'."""
-    found = re.search(r"tensor\((\S+?)[,)]", text)
-    return found.group(1) if found else text
 
 
 def check_grad_norm(grad_norm: float | None) -> None:

@@ -33,8 +33,9 @@ from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 import adapter
+from adapter import liveness
 from adapter.kernels import cuda_provider
-from adapter.training import checkpointing, global_vars, liveness, nonfinite, offloading
+from adapter.training import checkpointing, global_vars, nonfinite, offloading
 from adapter.training.manual_gc import ManualGC
 from adapter.training.arguments import ArgumentError, fit_vocab, parse_args, refuse, validate_args
 from adapter.training.preemption import Preemption

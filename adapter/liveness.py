@@ -13,9 +13,15 @@ quarter of the timeout records in the store that it arrived, so the one line eac
 collective, its group, its ranks and those that never arrived (for a send or receive: its peers). Under
 torchrun ``--max-restarts`` the group then restarts from the newest checkpoint.
 
+Who starts it: the own flow (adapter/training/pretrain.py's ``initialize``) once its process group stands, and
+megatron.training (Megatron-LM's pretrain_gpt.py through ``adapter.run``) once ``_initialize_distributed`` has
+made its groups (patches/liveness.py), each with its ``--distributed-timeout-minutes``.
+
 The watch ends with the groups it watches: the default group's ``destroy_process_group`` (the flow's exit,
 scripts/pretrain_gpt.py's ``leave``) first stops the watcher, after the look it may be in, so no look ever
 reads a torn-down group (a work's result, the store, the rank), and nothing in flight then is judged.
+megatron.training never destroys its groups: there the interpreter's exit (``atexit``, which runs before the
+groups' destructors) stops it, whichever way the run ends (``sys.exit`` of its exit paths, an error).
 
 Stragglers. Every log interval the ranks gather each one's mean time per iteration spent outside the
 collectives it waited in (the time the others wait for it); rank 0 names a rank whose time was more than
@@ -25,6 +31,8 @@ collectives it waited in (the time the others wait for it); rank 0 names a rank 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import inspect
 import itertools
@@ -35,11 +43,11 @@ import threading
 import time
 import types
 
+import psutil
 import torch
 
 import adapter
 from adapter import backend, device
-from adapter.shared_outcome import _end_children
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "gather_object",
                "scatter_object_list", "reduce_scatter",
@@ -63,6 +71,7 @@ _group_names: dict = {}  # process group -> its name (groups live as long as the
 _waited = [0.0]  # seconds this rank spent inside synchronous collectives
 _timeout_minutes = [0.0]
 _watcher: list[threading.Thread] = []
+_at_exit: list = []  # the interpreter's exit stops the watch (registered once)
 _looking = threading.Lock()  # held by the watcher through each look, by ``stop`` to wait for one to end
 _stopped = [threading.Event()]  # set when the watch ends (the current watcher's)
 _queued = [False]  # NCCL / HCCL: a collective called without async_op returns once queued on the device
@@ -75,7 +84,7 @@ def watch(timeout_minutes: float) -> None:
         return
     _queued[0] = backend.current().is_accelerator
     if adapter.registry.status("torch.distributed:destroy_process_group") != "applied":  # a watch after a stop
-        reason = "a collective a stalled rank never joins ends the job within the timeout, named (training.liveness)"
+        reason = "a collective a stalled rank never joins ends the job within the timeout, named (adapter.liveness)"
         for name in COLLECTIVES:
             if hasattr(torch.distributed, name):
                 adapter.registry.wrap(f"torch.distributed:{name}", functools.partial(_tracked, name=name),
@@ -86,6 +95,9 @@ def watch(timeout_minutes: float) -> None:
         adapter.registry.wrap("torch.distributed:destroy_process_group", _stopping_first,
                               versions=adapter.registry.supported,
                               reason="the hang watcher's watch ends before the groups it watches are torn down")
+    if not _at_exit:
+        atexit.register(stop)
+        _at_exit.append(stop)
     _stopped[0] = threading.Event()
     _watcher.append(threading.Thread(target=_watch, args=(timeout_minutes, _stopped[0]), daemon=True,
                                      name="adapter-liveness"))
@@ -342,8 +354,16 @@ def _end(token: int, exc: BaseException | None = None) -> None:
     except Exception as exc:  # the store itself is gone (its host died): say what is known
         what, absent = f"{entry['name']} on {entry['group_name']}", f"the store did not answer ({exc})"
     print(f"error: rank {rank}: {what} {how}: {absent}; ending this process", file=sys.stderr, flush=True)
-    _end_children()
+    end_children()
     os._exit(1)
+
+
+def end_children() -> None:
+    """``os._exit`` skips the clean-up that would end the processes this one started (megatron's
+    checkpoint writer and its manager): end them, or they outlive the job."""
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
 
 
 class StragglerCheck:

@@ -1,0 +1,36 @@
+"""What a non-finite step is, in words, for either flow: megatron-core's rerun state machine rejects a loss or a
+gradient bucket's norm (``--check-for-nan-in-loss-and-grad``, on by default), and the run stops with one line
+naming the iteration, the first rank that found it, the value and what to do.
+
+The flows stop differently (adapter/training/nonfinite.py for the own flow; patches/nonfinite.py for
+megatron.training, which saves a checkpoint so that another device re-runs the step); the words are these.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+
+def what(message: str) -> str:
+    """The value a megatron validation message is about, in a few words."""
+    bucket = re.search(r"grad norm for bucket #(\d+)", message)
+    return f"the gradient norm of bucket #{bucket.group(1)}" if bucket else "the loss"
+
+
+def value(text: str) -> str:
+    """'tensor(nan)' -> 'nan'."""
+    found = re.search(r"tensor\((\S+?)[,)]", text)
+    return found.group(1) if found else text
+
+
+def first_rejection(machine) -> tuple[int, str, str]:
+    """(rank, value, message) of the first rank whose result the machine rejected in this step, gathered from
+    every rank (a collective: every rank calls it)."""
+    call = machine.failed_validation_call
+    mine = None if call is None else (torch.distributed.get_rank(), value(str(machine.initial_result)),
+                                      call.caller.message)
+    found = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(found, mine)
+    return next(f for f in found if f is not None)

@@ -1,0 +1,109 @@
+"""Rank functions that drive the megatron-core wheel's megatron.training (0.17+) directly, as Megatron-LM's
+pretrain does, with no Megatron-LM checkout: its arguments parsed and checked by its own parser, its own
+``_initialize_distributed``, its own ``train_step`` over a rerun state machine."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import types
+from unittest import mock
+
+import adapter  # noqa: F401 - before megatron
+import torch
+
+ARGV = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+        "--train-iters", "4", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
+
+
+def megatron_args(argv: list[str]):
+    """Megatron-LM's arguments for ``ARGV`` + ``argv``, as its ``initialize_megatron`` parses and checks
+    them, set as its global arguments."""
+    from megatron.training import arguments, global_vars
+
+    with mock.patch.object(sys, "argv", ["pretrain_gpt.py", *ARGV, *argv]):
+        args = arguments.validate_args(arguments.parse_args())
+    global_vars.set_args(args)
+    return args
+
+
+def stall_after_initialize(timeout_minutes: float) -> None:
+    """megatron.training's ``_initialize_distributed`` (its model-parallel groups) at TP 2; then rank 1 stops
+    answering, and rank 0 waits in an all-reduce on megatron's tensor-parallel group, which the watch ends (it
+    never returns)."""
+    from megatron.core import parallel_state
+    from megatron.training import initialize
+
+    args = megatron_args(["--tensor-model-parallel-size", "2"])
+    args.distributed_timeout_minutes = timeout_minutes  # Megatron-LM's flag takes whole minutes: a test's seconds
+    # the world meets with time to spare for two interpreters starting on a loaded host (megatron's own start
+    # then keeps it, as it keeps a caller's); megatron's groups and the watch get the seconds above
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(minutes=1))
+    initialize._initialize_distributed(None, None, None)
+    if torch.distributed.get_rank() == 1:  # silent for three timeouts, then gone without a word
+        time.sleep(timeout_minutes * 60 * 3)
+        os._exit(0)
+    torch.distributed.all_reduce(torch.ones(2), group=parallel_state.get_tensor_model_parallel_group())
+    print("the all-reduce returned", flush=True)
+    os._exit(0)
+
+
+class _Chunk(torch.nn.Module):
+    """A model chunk as ``train_step`` handles one before the optimizer step (megatron's DDP's buffer calls)."""
+
+    def __init__(self, weight: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((2,), weight))
+        self.force_all_reduce = False
+
+    def zero_grad_buffer(self):
+        pass
+
+
+def _losses(values: list[float]):
+    """A ``forward_backward_func`` whose loss, validated as Megatron-LM's loss function validates it, is the
+    next of ``values`` at each run of the step."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    remaining = iter(values)
+
+    def forward_backward(**kwargs):
+        get_rerun_state_machine().validate_result(
+            result=torch.tensor(next(remaining)), rejection_func=torch.isnan, tolerance=0.0, fatal=True,
+            message="found NaN in local forward loss calculation")
+        return []
+
+    return forward_backward
+
+
+def nonfinite_step(save: str) -> dict:
+    """megatron.training's own ``train_step`` (wrapped: patches/nonfinite.py) at iteration 3 of a run whose
+    rerun state machine validates results: a NaN loss reproduced by the re-run with finite weights, the same
+    with a NaN weight, and a NaN the re-run does not reproduce. Per case: (should_checkpoint, should_exit,
+    exit code) and the line the run ends with."""
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.core.rerun_state_machine import (RerunMode, destroy_rerun_state_machine, get_rerun_state_machine,
+                                                   initialize_rerun_state_machine)
+    from megatron.training import global_vars, training
+
+    from patches import nonfinite
+
+    args = megatron_args(["--save", save, "--save-interval", "2"])
+    global_vars._set_timers(args)
+    init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size, 1)
+    torch.distributed.init_process_group("gloo")
+    outcomes = {}
+    nan = float("nan")
+    for case, weight, losses in (("reproduced", 1.0, [nan, nan]), ("nan weight", nan, [nan, nan]),
+                                 ("transient", 1.0, [nan, 2.0])):
+        destroy_rerun_state_machine()
+        initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS)
+        machine = get_rerun_state_machine()
+        machine.current_iteration, machine.first_iteration_complete = 2, True  # as train() leaves it after 2 steps
+        result = training.train_step(None, None, [_Chunk(weight)], types.SimpleNamespace(zero_grad=lambda: None),
+                                     None, None, _losses(losses), iteration=2)
+        outcomes[case] = (list(result[2:5]), nonfinite._line[0])
+    return outcomes
