@@ -26,7 +26,6 @@ import os
 import struct
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import DType
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
@@ -77,7 +76,11 @@ def read_index(idx_path: str) -> Index:
 
 
 def _token_dtype(idx_path: str, version: int, code: int) -> np.dtype:
-    """The tokens' dtype from the header's code: an integer one, in the only version megatron reads."""
+    """The tokens' dtype from the header's code: an integer one, in the only version megatron reads. megatron is
+    imported here, not at the top: ``import adapter`` registers the patch table, which imports this module,
+    and must import no megatron module before its CUDA routing is in place."""
+    from megatron.core.datasets.indexed_dataset import DType
+
     if version != 1:
         raise DataError(f"{idx_path} is index version {version}; megatron reads version 1: {_REWRITE}")
     try:

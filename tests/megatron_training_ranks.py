@@ -16,7 +16,8 @@ import torch
 
 ARGV = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
-        "--train-iters", "4", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
+        "--train-iters", "4", "--eval-interval", "2", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "256"]
 
 
 def megatron_args(argv: list[str]):
