@@ -189,6 +189,35 @@ def test_cli_exits_1_with_the_full_report_when_problems_are_found(broken, monkey
     assert len(data["problems"]) == 2 and len(data["patches"]) == 4
 
 
+def test_an_optional_patch_whose_module_the_release_lacks_is_skipped_with_why(tmp_path, monkeypatch):
+    """megatron.training.activation_logging is new in 0.18: on 0.17.1 its optional patch has nothing to patch,
+    which is no problem. Simulated: optional patches on a module the package lacks, and, still errors, an
+    optional patch on a module that is there but whose own import fails, and a required patch beside an
+    optional one on a missing module."""
+    modules = {"target": "def f():\n    return 'f'\n", "broken": "import {pkg}.nowhere\n"}
+    with throwaway_package(tmp_path, monkeypatch, "reportopt", modules) as package:
+        registry = PatchRegistry(backend=lambda: "cpu", megatron_version=lambda: "0.17.1", copy_scope=(package,))
+        for target, optional in ((f"{package}.absent:g", True), (f"{package}.absent:h", True),
+                                 (f"{package}.broken:g", True), (f"{package}.gone:g", True),
+                                 (f"{package}.gone:h", False), (f"{package}.target:f", True)):
+            registry.replace(target, lambda: "new", reason=f"patches {target}", versions="==0.17.1",
+                             optional=optional)
+        try:
+            data = report.collect(registry)
+        finally:
+            registry.revert()
+    rows = {row["target"].removeprefix(f"{package}."): row for row in data["patches"]}
+    for target in ("absent:g", "absent:h"):
+        assert (rows[target]["status"], rows[target]["why"], rows[target]["error"]) == (
+            "skipped", f"{package}.absent is not in megatron-core 0.17.1", None)
+    assert rows["broken:g"]["error"] == (f"importing {package}.broken failed: ModuleNotFoundError: "
+                                         f"No module named '{package}.nowhere'")
+    assert {rows[t]["status"] for t in ("gone:g", "gone:h")} == {"error"}
+    assert rows["target:f"]["status"] == "applied"
+    assert [p.split(":")[0] for p in data["problems"]] == [f"patch {package}.{t}" for t in ("broken", "gone", "gone")]
+    assert f"why: {package}.absent is not in megatron-core 0.17.1" in report.render(data)
+
+
 # ------------------------------------------------------------------------------------- kernels, versions
 def test_every_op_names_its_implementation_for_each_provider(provider):
     rows = report.kernel_rows(provider)
