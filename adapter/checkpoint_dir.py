@@ -29,6 +29,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
 COMMON_FILE = "common.pt"  # the common state up to megatron-core 0.18
+METADATA_FILE = "metadata.json"  # megatron's, naming the format: torch_dist writes it, fsdp_dtensor does not
 MEGATRON_CORE = Version(installed_megatron_core_version())
 # From 0.19 the common state is this ShardedObject inside the torch_dist files (its unique key "common_state/shard_0_1")
 COMMON_STATE_IN_SHARDS = MEGATRON_CORE >= Version("0.19")
@@ -119,10 +120,11 @@ def iteration_dir(load_dir: str | os.PathLike, iteration: int | str | None = Non
 def readable_here(checkpoint: Path) -> None:
     """Refuse a complete checkpoint the installed megatron-core cannot read, before any rank loads it.
 
-    Every release reads a checkpoint with ``common.pt`` (0.19 as its legacy form). One without it was saved by
-    0.19 or later, whose common state only 0.19 and later find: 0.16-0.18 would stop inside megatron's loader
-    ("Common file ... does not exist") after every rank had built its model."""
-    if COMMON_STATE_IN_SHARDS or (checkpoint / COMMON_FILE).is_file():
+    Every release reads a torch_dist checkpoint with ``common.pt`` (0.19 as its legacy form). One without it was
+    saved by 0.19 or later, whose common state only 0.19 and later find: 0.16-0.18 would stop inside megatron's
+    loader ("Common file ... does not exist") after every rank had built its model. An fsdp_dtensor checkpoint
+    (no ``metadata.json``) has no ``common.pt`` on any release: nothing to refuse."""
+    if COMMON_STATE_IN_SHARDS or not (checkpoint / METADATA_FILE).is_file() or (checkpoint / COMMON_FILE).is_file():
         return
     raise CheckpointError(f"{checkpoint} was saved by megatron-core 0.19 or later (its common state is inside the "
                           f"torch_dist files; there is no {COMMON_FILE}), which megatron-core {MEGATRON_CORE} "

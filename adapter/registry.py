@@ -197,6 +197,10 @@ class PatchRegistry:
             return f"not for {self._backend()}"
         return "pending"
 
+    def megatron_version(self) -> str:
+        """The megatron-core release this registry decides its patches' ``versions`` on."""
+        return self._megatron_version()
+
     def applied(self, target: str) -> bool:
         return target in self._applied or target in self._routed
 

@@ -9,8 +9,10 @@ hide the state of the others. Apart from that switch, the report changes nothing
 and importing those megatron modules would not. Patches into megatron.training and megatron.legacy are
 skipped, with why, where those packages are not importable: megatron.legacy comes only from a Megatron-LM
 checkout, megatron.training from one too on megatron-core 0.16, while from 0.17 the megatron-core wheel
-ships it (so a pip install applies its patches); the versions section says which source it is. The
-report also lists the import stand-ins (adapter.stand_ins) and whether each is in use.
+ships it (so a pip install applies its patches); the versions section says which source it is. An
+optional patch whose module the installed release lacks (megatron.training.activation_logging before 0.18)
+is skipped, with why, too. The report also lists the import stand-ins (adapter.stand_ins) and whether
+each is in use.
 """
 
 from __future__ import annotations
@@ -378,31 +380,45 @@ def _short(implementation: str | None) -> str:
 # ------------------------------------------------------------------------------------------ patches
 def patch_rows(registry: PatchRegistry) -> list[dict]:
     """One row per registered patch: applied, skipped (and why) or error (and the message), after
-    importing every module a patch targets. Modules of Megatron-LM's packages are not imported where no
-    checkout provides them: their patches are skipped, not errors (a pip install has no Megatron-LM)."""
+    importing every module a patch targets (``_import_targets``)."""
     registry.apply(strict=False)
-    import_errors, absent = {}, {}
-    for module in sorted({patch.module for patch in registry.patches()}):
-        package = _absent_megatron_lm_package(module)
-        if package is not None:
-            absent[module] = f"{package} not importable (no Megatron-LM checkout on PYTHONPATH)"
-            continue
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            import_errors[module] = f"importing {module} failed: {type(exc).__name__}: {exc}"
+    unimported = _import_targets(registry)
     rows = []
     for patch in registry.patches():
         status, detail = _outcome(registry.status(patch.target))
-        if status == "pending" and patch.module in absent:
-            status, detail = "skipped", absent[patch.module]
-        elif status == "pending" and patch.module in import_errors:
-            status, detail = "error", import_errors[patch.module]
+        if status == "pending" and patch.module in unimported:
+            status, detail = unimported[patch.module]
         rows.append({"target": patch.target, "kind": patch.kind, "reason": patch.reason,
                      "versions": patch.versions, "backends": sorted(patch.backends), "status": status,
                      "why": None if status in ("applied", "error") else detail,
                      "error": detail if status == "error" else None})
     return rows
+
+
+def _import_targets(registry: PatchRegistry) -> dict[str, tuple[str, str]]:
+    """Import every module a patch targets; the (status, detail) of each that is not imported. Skipped, not
+    errors: a module of Megatron-LM's packages where no checkout provides them (a pip install has no
+    Megatron-LM), and a module the installed release lacks where only optional patches target it (say
+    megatron.training.activation_logging, new in 0.18). Any other import failure is an error."""
+    optional_only = {}
+    for patch in registry.patches():
+        optional_only[patch.module] = optional_only.get(patch.module, True) and patch.optional
+    outcomes = {}
+    for module in sorted(optional_only):
+        package = _absent_megatron_lm_package(module)
+        if package is not None:
+            outcomes[module] = ("skipped", f"{package} not importable (no Megatron-LM checkout on PYTHONPATH)")
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            # the module itself (or its package) is missing, not something it imports
+            absent = isinstance(exc, ModuleNotFoundError) and (module + ".").startswith(f"{exc.name}.")
+            outcomes[module] = (
+                ("skipped", f"{module} is not in megatron-core {registry.megatron_version()}")
+                if absent and optional_only[module]
+                else ("error", f"importing {module} failed: {type(exc).__name__}: {exc}"))
+    return outcomes
 
 
 def _absent_megatron_lm_package(module: str) -> str | None:

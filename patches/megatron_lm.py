@@ -165,7 +165,7 @@ def _refuse_batch_invariant_mode(module) -> None:
 
 
 def class_types_only(register_hooks):
-    """0.19's activation logging hooks every module of ``LINEAR_TYPES``, which lists Transformer Engine's
+    """0.18+'s activation logging hooks every module of ``LINEAR_TYPES``, which lists Transformer Engine's
     layers; without TE megatron's extension module leaves MagicMock placeholders for them, and
     ``isinstance(module, (..., placeholder))`` raises TypeError. The placeholders name no layer a model can
     hold, so they are dropped: the hooks go on the layers that exist."""
@@ -220,7 +220,7 @@ def register(registry, versions: str) -> None:
     registry.replace(f"{_T}utils:get_device_arch_version", no_device_arch, versions=versions,
                      backends=OFF_CUDA, reason="reads the compute capability of cuda:0")
     registry.wrap(f"{_T}activation_logging:_register_hooks", class_types_only, versions=versions, optional=True,
-                  reason="0.19+: without TE, LINEAR_TYPES holds TE placeholders that isinstance refuses")
+                  reason="0.18+: without TE, LINEAR_TYPES holds TE placeholders that isinstance refuses")
     registry.wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
                   state_copy_without_autograd, versions=versions,
                   reason="fp32 params: loading copies into views of leaf params, which needs autograd off")

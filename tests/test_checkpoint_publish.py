@@ -14,7 +14,7 @@ def _checkpoint(path, content: str = "old", common: bool = True):
     """A stand-in for a complete torch_dist checkpoint: the two files a finished save writes last, and the
     common.pt of megatron-core before 0.19 (``common``; every release reads it)."""
     path.mkdir(parents=True)
-    (path / "metadata.json").write_text(content)
+    (path / checkpoint_dir.METADATA_FILE).write_text(content)
     (path / ".metadata").write_text(content)
     if common:
         (path / checkpoint_dir.COMMON_FILE).write_text(content)
@@ -104,6 +104,17 @@ def test_nothing_published_is_a_start_from_scratch(tmp_path):
     (tmp_path / ".iter_0000003.partial").mkdir()
     assert checkpoint_dir.checkpoint_to_load(tmp_path) is None
     assert checkpoint_dir.checkpoint_to_load(tmp_path / "not-there") is None
+
+
+def test_an_fsdp_dtensor_checkpoint_has_no_common_pt_and_is_read_on_every_release(tmp_path):
+    """fsdp_dtensor (torch's files, no megatron metadata.json) never has a common.pt, whichever release saved it:
+    0.17 and 0.18 read it (they refused the flow's own save, whose refusal named 0.19, before the fix)."""
+    checkpoint = tmp_path / "iter_0000005"
+    checkpoint.mkdir()
+    (checkpoint / ".metadata").write_text("torch's")
+    (tmp_path / TRACKER).write_text("5")
+    assert checkpoint_dir.checkpoint_to_load(tmp_path) == checkpoint
+    assert checkpoint_dir.iteration_dir(tmp_path, 5) == checkpoint
 
 
 @pytest.mark.parametrize("where", ["tracker", "directory", "iteration"])

@@ -10,11 +10,11 @@ import adapter
 
 
 def test_activation_logging_hooks_the_layers_a_model_holds_without_transformer_engine():
-    """megatron.training 0.19's activation logging (in the wheel from 0.17's megatron.training, in a 0.19
-    checkout) over a model, where Transformer Engine is absent and ``LINEAR_TYPES`` lists TE's placeholders:
-    megatron's own ``_register_hooks`` raises TypeError there; through the adapter the Linear is hooked."""
+    """megatron.training's activation logging (new in 0.18: in the wheel, or in a checkout) over a model, where
+    Transformer Engine is absent and ``LINEAR_TYPES`` lists TE's placeholders: megatron's own
+    ``_register_hooks`` raises TypeError there; through the adapter the Linear is hooked."""
     activation_logging = pytest.importorskip("megatron.training.activation_logging",
-                                             reason="megatron.training has no activation logging before 0.19")
+                                             reason="megatron.training has no activation logging before 0.18")
     if all(isinstance(t, type) for t in activation_logging.LINEAR_TYPES):
         pytest.skip("Transformer Engine is installed: LINEAR_TYPES holds its classes")
     assert adapter.registry.status("megatron.training.activation_logging:_register_hooks") == "applied"

@@ -26,8 +26,8 @@ VERSION_KEYS = {"python", "torch", "torch_cuda", "torch_npu", "cann", "megatron_
                 "transformer_engine", "flash_attn"}
 INSTALLED_CORE = importlib.metadata.version("megatron-core")
 # megatron-core 0.17+ wheels ship megatron/training; 0.16.1's does not (the wheel's own file list says which)
-WHEEL_SHIPS_TRAINING = "megatron/training/__init__.py" in {
-    f.as_posix() for f in importlib.metadata.files("megatron-core")}
+WHEEL_FILES = {f.as_posix() for f in importlib.metadata.files("megatron-core")}
+WHEEL_SHIPS_TRAINING = "megatron/training/__init__.py" in WHEEL_FILES
 OPS = {"rms_norm", "layer_norm", "swiglu", "rope", "rope_thd", "softmax", "cross_entropy", "core_attention",
        "norm_module", "grouped_gemm", "moe_permute", "gated_delta_rule", "causal_conv1d", "l2norm",
        "mla_attention", "mla_rope"}
@@ -111,8 +111,14 @@ def test_without_megatron_lm_its_patches_are_skipped_with_why_and_nothing_is_a_p
     training = {t: row for t, row in rows.items() if t.startswith("megatron.training.")}
     assert {(row["status"], row["why"]) for row in legacy.values()} == {
         ("skipped", "megatron.legacy not importable (no Megatron-LM checkout on PYTHONPATH)")}
-    if WHEEL_SHIPS_TRAINING:
-        assert {row["status"] for row in training.values()} == {"applied"}
+    if WHEEL_SHIPS_TRAINING:  # each patch applies, but for an optional one whose module this release lacks
+        for target, row in training.items():
+            module = target.partition(":")[0]
+            path = module.replace(".", "/")
+            if {f"{path}.py", f"{path}/__init__.py"} & WHEEL_FILES:
+                assert row["status"] == "applied", row
+            else:  # megatron.training.activation_logging before 0.18
+                assert (row["status"], row["why"]) == ("skipped", f"{module} is not in megatron-core {INSTALLED_CORE}")
         wheel_training = importlib.metadata.distribution("megatron-core").locate_file("megatron/training")
         assert data["versions"]["megatron_lm"] == f"megatron.training from the megatron-core wheel ({wheel_training})"
     else:
@@ -187,6 +193,35 @@ def test_cli_exits_1_with_the_full_report_when_problems_are_found(broken, monkey
     assert cli.main(["--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert len(data["problems"]) == 2 and len(data["patches"]) == 4
+
+
+def test_an_optional_patch_whose_module_the_release_lacks_is_skipped_with_why(tmp_path, monkeypatch):
+    """megatron.training.activation_logging is new in 0.18: on 0.17.1 its optional patch has nothing to patch,
+    which is no problem. Simulated: optional patches on a module the package lacks, and, still errors, an
+    optional patch on a module that is there but whose own import fails, and a required patch beside an
+    optional one on a missing module."""
+    modules = {"target": "def f():\n    return 'f'\n", "broken": "import {pkg}.nowhere\n"}
+    with throwaway_package(tmp_path, monkeypatch, "reportopt", modules) as package:
+        registry = PatchRegistry(backend=lambda: "cpu", megatron_version=lambda: "0.17.1", copy_scope=(package,))
+        for target, optional in ((f"{package}.absent:g", True), (f"{package}.absent:h", True),
+                                 (f"{package}.broken:g", True), (f"{package}.gone:g", True),
+                                 (f"{package}.gone:h", False), (f"{package}.target:f", True)):
+            registry.replace(target, lambda: "new", reason=f"patches {target}", versions="==0.17.1",
+                             optional=optional)
+        try:
+            data = report.collect(registry)
+        finally:
+            registry.revert()
+    rows = {row["target"].removeprefix(f"{package}."): row for row in data["patches"]}
+    for target in ("absent:g", "absent:h"):
+        assert (rows[target]["status"], rows[target]["why"], rows[target]["error"]) == (
+            "skipped", f"{package}.absent is not in megatron-core 0.17.1", None)
+    assert rows["broken:g"]["error"] == (f"importing {package}.broken failed: ModuleNotFoundError: "
+                                         f"No module named '{package}.nowhere'")
+    assert {rows[t]["status"] for t in ("gone:g", "gone:h")} == {"error"}
+    assert rows["target:f"]["status"] == "applied"
+    assert [p.split(":")[0] for p in data["problems"]] == [f"patch {package}.{t}" for t in ("broken", "gone", "gone")]
+    assert f"why: {package}.absent is not in megatron-core 0.17.1" in report.render(data)
 
 
 # ------------------------------------------------------------------------------------- kernels, versions
