@@ -115,6 +115,38 @@ def check_schedule(args) -> None:
                            "validation (pass --eval-interval N; with --eval-iters 0 nothing is evaluated)")
 
 
+# OptimizerParamScheduler's values -> the arguments megatron.training computes each from (get_optimizer_param_
+# scheduler): what a failed check of the schedule names, with the values given
+_SCHEDULE_SOURCES = {
+    "lr_warmup_steps": ("lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction"),
+    "lr_decay_steps": ("lr_decay_iters", "lr_decay_samples", "train_iters", "train_samples"),
+    "wsd_decay_steps": ("lr_wsd_decay_iters", "lr_wsd_decay_samples"),
+    "max_lr": ("lr",), "min_lr": ("min_lr",), "init_lr": ("lr_warmup_init",),
+    "start_wd": ("start_weight_decay", "weight_decay"), "end_wd": ("end_weight_decay", "weight_decay"),
+}
+
+
+def schedule_refusal(exc: BaseException, args) -> InputRefused | None:
+    """The one line for a failed check of megatron-core's ``OptimizerParamScheduler``, which megatron.training
+    builds from the arguments after the model (its asserts say nothing: ``lr_warmup_steps <
+    lr_decay_steps`` where the warm-up does not end before the decay); None for anything else."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if (not isinstance(exc, AssertionError) or tb is None
+            or tb.tb_frame.f_globals.get("__name__") != "megatron.core.optimizer_param_scheduler"):
+        return None
+    test, _ = _failed_check(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+    if test is None:
+        return None
+    values = [node.attr for node in ast.walk(test) if isinstance(node, ast.Attribute)]
+    names = [name for value in values for name in _SCHEDULE_SOURCES.get(value, ()) if getattr(args, name, None)]
+    given = ", ".join(_as_given(name, args) for name in dict.fromkeys(names))
+    reason = (f"the learning-rate schedule megatron builds from them needs {ast.unparse(test).replace('self.', '')}"
+              f" (megatron-core's OptimizerParamScheduler)")
+    return InputRefused(f"{given}: {reason}" if given else reason)
+
+
 def data_prefixes(args) -> list[tuple[str, str]]:
     """(flag, prefix) for each corpus the run's indexed datasets read, in megatron's own reading of
     --data-path, --data-args-path, --{train,valid,test}-data-path and --per-split-data-args-path. None for

@@ -7,6 +7,7 @@ Megatron-LM checkout."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 from adapter import input_refusals
@@ -49,8 +50,31 @@ def corpora_checked(build_iterators):
     return build
 
 
+def schedule_refused(get_scheduler):
+    """megatron.training builds the LR scheduler from the arguments after the model, outside validate_args:
+    a schedule megatron-core's scheduler refuses (a warm-up as long as the decay) is one line, not a bare
+    ``AssertionError`` on every rank."""
+
+    @functools.wraps(get_scheduler)
+    def build(*args, **kwargs):
+        from megatron.training.global_vars import get_args
+
+        given = copy.copy(get_args())  # as given: megatron fills --lr-decay-iters in before it builds
+        try:
+            return get_scheduler(*args, **kwargs)
+        except AssertionError as exc:
+            refused = input_refusals.schedule_refusal(exc, given)
+            if refused is None:
+                raise
+            raise refused from exc
+
+    return build
+
+
 def register(registry, versions: str) -> None:
     registry.wrap(f"{_T}arguments:validate_args", one_line_refusals, versions=versions,
                   reason="a failed assert in validate_args is a bare traceback on every rank: one line, exit 2")
     registry.wrap(f"{_T}training:build_train_valid_test_data_iterators", corpora_checked, versions=versions,
                   reason="a missing or out-of-vocabulary --data-path fails mid-build on some ranks: one line, exit 2")
+    registry.wrap(f"{_T}training:get_optimizer_param_scheduler", schedule_refused, versions=versions,
+                  reason="a warm-up as long as the decay fails a bare assert in the LR scheduler: one line, exit 2")

@@ -69,6 +69,22 @@ def test_arguments_megatron_takes_pass(monkeypatch):
     assert validate_args(parse_args()).num_attention_heads == 4
 
 
+def test_a_learning_rate_schedule_megatron_core_refuses_is_one_line_naming_the_arguments(monkeypatch):
+    """megatron.training builds the scheduler after the model, outside validate_args; megatron-core's
+    ``OptimizerParamScheduler`` asserts the warm-up ends before the decay without a message."""
+    from megatron.training import global_vars, training
+    from megatron.training.arguments import parse_args, validate_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY, "--lr-warmup-iters", "6"])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", validate_args(parse_args()))
+    with pytest.raises(InputRefused) as refused:
+        training.get_optimizer_param_scheduler(types.SimpleNamespace(param_groups=[]))
+    assert str(refused.value) == ("--lr-warmup-iters 6, --train-iters 6: the learning-rate schedule megatron builds "
+                                  "from them needs lr_warmup_steps < lr_decay_steps (megatron-core's "
+                                  "OptimizerParamScheduler)")
+
+
 _SCRIPT = """
 from megatron.training.arguments import parse_args, validate_args
 validate_args(parse_args())
