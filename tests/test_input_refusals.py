@@ -28,6 +28,14 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--vocab-size", "256", "--transformer-impl", "local"]
 
 
+@pytest.fixture(autouse=True)
+def _connections_restored(monkeypatch):
+    """megatron.training's validate_args, run here in the test's own process, sets CUDA_DEVICE_MAX_CONNECTIONS=1
+    off CUDA (patches/megatron_lm.py): restored after each test, or later tests in this process and the ranks
+    they start inherit it (Megatron-FSDP refuses it; megatron's sequence-parallel hint then goes unsaid)."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
 def _without(flag: str) -> list[str]:
     at = TINY.index(flag)
     return TINY[:at] + TINY[at + 2:]

@@ -33,6 +33,14 @@ HYBRID = [name for name in models.names() if models.get(name).layer_types is not
 DESCRIBED = [name for name in models.names() if name not in REFUSED and name not in HYBRID]
 
 
+@pytest.fixture(autouse=True)
+def _connections_restored(monkeypatch):
+    """megatron.training's validate_args, run here in the test's own process, sets CUDA_DEVICE_MAX_CONNECTIONS=1
+    off CUDA (patches/megatron_lm.py): restored after each test, or later tests in this process and the ranks
+    they start inherit it (Megatron-FSDP refuses it; megatron's sequence-parallel hint then goes unsaid)."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
 @pytest.fixture(scope="module")
 def one_rank():
     from models.torch_dist_io import single_process_groups
