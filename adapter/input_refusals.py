@@ -39,9 +39,7 @@ def refusal(exc: BaseException, args) -> InputRefused | None:
     module) that failed on ``args``: the arguments its check reads (and those that made the check apply),
     with their values, then megatron's message, or its condition where the ``assert`` has none. None for
     anything else, which keeps its traceback."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
+    tb = _raising_frame(exc)
     if (isinstance(exc, RefusedSetting) or not isinstance(exc, CHECK_FAILURES) or tb is None
             or not tb.tb_frame.f_globals.get("__name__", "").startswith("megatron.")):
         return None
@@ -53,6 +51,26 @@ def refusal(exc: BaseException, args) -> InputRefused | None:
         reason += f" when {_condition(guard)}" if guard else ""
     given = ", ".join(_as_given(name, args) for name in dict.fromkeys(names))
     return InputRefused(f"{given}: {reason}" if given else reason)
+
+
+def refused_call(call, to_refusal, args):
+    """``call()``; where it fails one of megatron's checks (``CHECK_FAILURES``) that ``to_refusal(exc, args)``
+    turns into an ``InputRefused``, that refusal instead; anything else keeps its traceback."""
+    try:
+        return call()
+    except CHECK_FAILURES as exc:
+        refused = to_refusal(exc, args)
+        if refused is None:
+            raise
+        raise refused from exc
+
+
+def _raising_frame(exc: BaseException):
+    """The innermost traceback entry of ``exc``: where the failed check stands."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb
 
 
 def _names(test: ast.expr | None) -> list[str]:
@@ -130,9 +148,7 @@ def schedule_refusal(exc: BaseException, args) -> InputRefused | None:
     """The one line for a failed check of megatron-core's ``OptimizerParamScheduler``, which megatron.training
     builds from the arguments after the model (its asserts say nothing: ``lr_warmup_steps <
     lr_decay_steps`` where the warm-up does not end before the decay); None for anything else."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
+    tb = _raising_frame(exc)
     if (not isinstance(exc, AssertionError) or tb is None
             or tb.tb_frame.f_globals.get("__name__") != "megatron.core.optimizer_param_scheduler"):
         return None

@@ -22,13 +22,8 @@ def one_line_refusals(validate_args):
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
-        try:
-            validated = validate_args(args, *rest, **kwargs)
-        except input_refusals.CHECK_FAILURES as exc:
-            refused = input_refusals.refusal(exc, args)
-            if refused is None:
-                raise
-            raise refused from exc
+        validated = input_refusals.refused_call(lambda: validate_args(args, *rest, **kwargs),
+                                                input_refusals.refusal, args)
         input_refusals.check_schedule(args)
         return validated
 
@@ -60,13 +55,8 @@ def schedule_refused(get_scheduler):
         from megatron.training.global_vars import get_args
 
         given = copy.copy(get_args())  # as given: megatron fills --lr-decay-iters in before it builds
-        try:
-            return get_scheduler(*args, **kwargs)
-        except AssertionError as exc:
-            refused = input_refusals.schedule_refusal(exc, given)
-            if refused is None:
-                raise
-            raise refused from exc
+        return input_refusals.refused_call(lambda: get_scheduler(*args, **kwargs), input_refusals.schedule_refusal,
+                                           given)
 
     return build
 
