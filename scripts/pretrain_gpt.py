@@ -16,6 +16,7 @@ import time
 
 _PROGRAM_START = time.time()
 
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -28,21 +29,39 @@ from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import pretrain, set_startup_timestamps  # noqa: E402
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+from models.config import ModelConfigError  # noqa: E402
 
 
 def main() -> int:
-    sys.argv[1:] = model_flags.expand(sys.argv[1:])
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
     try:
+        sys.argv[1:] = model_flags.expand(sys.argv[1:])
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
         container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
         pretrain(container, gpt.train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
                  gpt.forward_step)
-    except RefusedSetting as exc:  # bad input, refused by the adapter's patches: one line, exit 2
-        print(f"error: {exc}", file=sys.stderr)
+    except (RefusedSetting, ModelConfigError) as exc:  # bad input (the adapter's refusals): one line, exit 2
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
+def leave(status: int) -> None:
+    """End the process with ``status`` once its groups are torn down and Python's exit handlers have run,
+    without the interpreter's own teardown, in which destroying gloo groups that megatron's objects keep
+    alive can abort the process in a C++ thread (today's flow's exit, kept)."""
+    import atexit
+
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
