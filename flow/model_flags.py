@@ -10,6 +10,7 @@ before or after ``--model``, overrides them (argparse keeps the last value).
 from __future__ import annotations
 
 import models
+from models.config import ModelConfigError
 from models.megatron_lm_args import flags
 
 
@@ -24,4 +25,9 @@ def expand(argv: list[str]) -> list[str]:
             name = word.split("=", 1)[1]
         else:
             rest.append(word)
-    return rest if name is None else [*flags(models.get(name)), *rest]
+    if name is None:
+        return rest
+    try:
+        return [*flags(models.get(name)), *rest]
+    except ModelConfigError as exc:  # an unknown name, a model Megatron-LM's flags cannot describe
+        raise ModelConfigError(f"--model {name}: {exc}") from None
