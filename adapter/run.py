@@ -129,10 +129,15 @@ REFUSED = 2  # a refused argument's exit status (argparse's)
 
 
 def run_refusing(script: Path) -> int:
-    """``run_routed(script)``; a CUDA-only feature's refusal (module doc) is one line, from rank 0, and
-    ``REFUSED`` on every rank."""
+    """``run_routed(script)``, its refusals and failed saves as ``run_guarded`` ends them."""
+    return run_guarded(run_routed, script)
+
+
+def run_guarded(train, *args) -> int:
+    """``train(*args)``'s exit status: a refusal (module doc) is one line, from rank 0, and ``REFUSED`` on
+    every rank; a failed save is its one line and 1. The project's own entry point ends the same way."""
     try:
-        run_routed(script)
+        train(*args)
     except RefusedSetting as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr, flush=True)

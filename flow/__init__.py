@@ -1,0 +1,3 @@
+"""The one training flow (issue 50, prototype): what ``scripts/pretrain_gpt.py`` hands megatron.training's own
+``pretrain`` — the GPT forward step, loss and dataset provider (``flow.gpt``) and ``--model NAME`` expanded into
+Megatron-LM's own flags (``flow.model_flags``). A layer above ``models``: it reads the named configs."""

@@ -1,0 +1,34 @@
+"""``--model NAME`` as Megatron-LM's own flags, expanded in argv before megatron.training parses it.
+
+Expanded in argv rather than added to megatron's parser (``extra_args_provider``): the expanded command is
+exactly what Megatron-LM's ``pretrain_gpt.py`` takes, so both entry points parse the same words with the same
+parser (issue 50 point 7); every release's ``pretrain`` parses ``sys.argv`` itself (0.17) or lets the script
+do it (0.18+), and argv is the one input both read. The model's flags go first, so every flag the user gives,
+before or after ``--model``, overrides them (argparse keeps the last value).
+"""
+
+from __future__ import annotations
+
+import models
+from adapter.input_refusals import InputRefused
+from models.config import ModelConfigError
+from models.megatron_lm_args import flags
+
+
+def expand(argv: list[str]) -> list[str]:
+    """``argv`` with ``--model NAME`` (or ``--model=NAME``) replaced by NAME's Megatron-LM flags, put first."""
+    words, name, rest = list(argv), None, []
+    while words:
+        word = words.pop(0)
+        if word == "--model" and words:
+            name = words.pop(0)
+        elif word.startswith("--model="):
+            name = word.split("=", 1)[1]
+        else:
+            rest.append(word)
+    if name is None:
+        return rest
+    try:
+        return [*flags(models.get(name)), *rest]
+    except ModelConfigError as exc:  # an unknown name, a model Megatron-LM's flags cannot describe
+        raise InputRefused(f"--model {name}: {exc}") from None
