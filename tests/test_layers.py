@@ -34,7 +34,9 @@ def test_every_contract_is_kept():
     ("patches/rng.py", "import adapter.training.arguments", "patches is not allowed to import adapter.training"),
     ("models/qwen.py", "import patches.rng", "models is not allowed to import patches"),
     ("adapter/training/data.py", "import scripts.pretrain_gpt", "adapter.training is not allowed to import scripts"),
-], ids=["core->models", "patches->training", "models->patches", "training->scripts"])
+    ("models/gpt.py", "import flow.gpt", "models is not allowed to import flow"),
+    ("adapter/run.py", "import flow.pretrain", "adapter.run is not allowed to import flow"),
+], ids=["core->models", "patches->training", "models->patches", "training->scripts", "models->flow", "core->flow"])
 def test_an_arrow_the_wrong_way_breaks_a_contract(tmp_path, module, line, broken):
     """On a copy of the checkout, one import added the wrong way."""
     copy = tmp_path / "checkout"
