@@ -1,7 +1,6 @@
-"""Pretrain a GPT / Qwen model with megatron-core through the device adapter, as Megatron-LM's
-``pretrain_gpt.py`` does: the model provider, the dataset provider and the forward step, handed to
-``pretrain``. The step (model provider, loss, forward step) lives in ``adapter.training.gpt_step``; this
-file is the entry point only. Megatron-LM's arguments, plus ``--model NAME`` for a named config:
+"""The project's own training loop (``adapter/training``), as ``scripts/pretrain_gpt.py`` ran it before that
+became megatron.training's own ``pretrain`` (issue 50): kept only so that ``bench/one_flow.py`` can measure
+the two side by side, until the own loop is removed. Megatron-LM's arguments, plus ``--model NAME``:
 
     torchrun --nproc_per_node 4 scripts/pretrain_gpt.py --model qwen2.5-tiny \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --micro-batch-size 2 \\
@@ -29,7 +28,7 @@ from adapter.training.arguments import ArgumentError  # noqa: E402
 from adapter.training.data import train_valid_test_datasets_provider  # noqa: E402
 from adapter.training.nonfinite import NonFiniteStep  # noqa: E402
 from adapter.training.pretrain import pretrain  # noqa: E402
-from adapter.training.shared_outcome import StepFailed  # noqa: E402
+from adapter.shared_outcome import StepFailed  # noqa: E402
 
 
 def main(argv=None) -> int:
