@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import functools
+import io
 import linecache
 import os
+import sys
 
 import torch
 
@@ -34,23 +37,43 @@ class InputRefused(RefusedSetting):
     """Input megatron.training cannot train on (arguments, data), said in one line for the job."""
 
 
-def refusal(exc: BaseException, args) -> InputRefused | None:
+def refusal(exc: BaseException, args, owner: str = "args",
+            checker: str = "Megatron-LM's validate_args") -> InputRefused | None:
     """The one line for ``exc``, a check of megatron's own (``CHECK_FAILURES`` raised in a ``megatron.``
-    module) that failed on ``args``: the arguments its check reads (and those that made the check apply),
-    with their values, then megatron's message, or its condition where the ``assert`` has none. None for
-    anything else, which keeps its traceback."""
+    module) that failed on ``args``: the arguments its check reads (``owner.NAME``: ``args.`` in validate_args,
+    ``self.`` in a config megatron builds from the arguments of the same names) and those that made the check
+    apply, with their values, then megatron's message, or its condition where the ``assert`` has none (as
+    ``checker`` requires it). None for anything else, which keeps its traceback."""
     tb = _raising_frame(exc)
     if (isinstance(exc, RefusedSetting) or not isinstance(exc, CHECK_FAILURES) or tb is None
             or not tb.tb_frame.f_globals.get("__name__", "").startswith("megatron.")):
         return None
     test, guard = _failed_check(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
-    names = [name for name in _names(guard) if getattr(args, name, None)] + _names(test)
+    names = [name for name in _names(guard, owner) if getattr(args, name, None)] + _names(test, owner)
+    names = [name for name in names if owner == "args" or hasattr(args, name)]
     reason = " ".join(str(exc).split())
     if not reason:
-        reason = f"Megatron-LM's validate_args requires {_condition(test) if test else 'what an assertion says'}"
-        reason += f" when {_condition(guard)}" if guard else ""
+        reason = f"{checker} requires {_condition(test, owner) if test else 'what an assertion says'}"
+        reason += f" when {_condition(guard, owner)}" if guard else ""
     given = ", ".join(_as_given(name, args) for name in dict.fromkeys(names))
     return InputRefused(f"{given}: {reason}" if given else reason)
+
+
+def config_refusal(exc: BaseException, args) -> InputRefused | None:
+    """``refusal`` for a check of megatron-core's ``TransformerConfig``, which megatron.training builds from
+    the arguments (``core_transformer_config_from_args``) after ``validate_args``: its fields are the
+    arguments of the same names."""
+    return refusal(exc, args, owner="self", checker="megatron-core's TransformerConfig")
+
+
+def tokenizer_refusal(exc: BaseException, args) -> InputRefused | None:
+    """``refusal`` for a check of megatron's tokenizer building (a missing or unreadable --tokenizer-model),
+    said with the tokenizer arguments it was built from."""
+    refused = refusal(exc, args)
+    if refused is None:
+        return None
+    given = ", ".join(_as_given(name, args) for name in ("tokenizer_type", "tokenizer_model"))
+    return InputRefused(f"{given}: {refused}")
 
 
 def refused_call(call, to_refusal, args):
@@ -73,14 +96,14 @@ def _raising_frame(exc: BaseException):
     return tb
 
 
-def _names(test: ast.expr | None) -> list[str]:
-    """The ``args.NAME`` a condition reads."""
+def _names(test: ast.expr | None, owner: str = "args") -> list[str]:
+    """The ``owner.NAME`` a condition reads."""
     return [node.attr for node in ast.walk(test) if isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Name) and node.value.id == "args"] if test else []
+            and isinstance(node.value, ast.Name) and node.value.id == owner] if test else []
 
 
-def _condition(test: ast.expr) -> str:
-    return ast.unparse(test).replace("args.", "")
+def _condition(test: ast.expr, owner: str = "args") -> str:
+    return ast.unparse(test).replace(f"{owner}.", "")
 
 
 def _failed_check(filename: str, lineno: int) -> tuple[ast.expr | None, ast.expr | None]:
@@ -126,11 +149,81 @@ def _as_given(name: str, args) -> str:
 def check_schedule(args) -> None:
     """megatron.training sizes the validation set as ``train_iters // eval_interval`` (get_train_valid_test_
     num_samples) unless it only evaluates or validates in full: without --eval-interval that is a TypeError
-    on every rank, after the model is built."""
+    on every rank, after the model is built, and at zero or below a ZeroDivisionError or an empty validation."""
     if (args.eval_interval is None and not args.skip_train and not getattr(args, "full_validation", False)
             and not getattr(args, "perform_rl_step", False)):  # RL builds no datasets
         raise InputRefused("--eval-interval is not set: Megatron-LM's training needs it to size and schedule "
                            "validation (pass --eval-interval N; with --eval-iters 0 nothing is evaluated)")
+    if args.eval_interval is not None and args.eval_interval <= 0:  # the same division, by zero
+        raise InputRefused(f"--eval-interval {args.eval_interval}: must be positive (validation runs every N "
+                           "iterations; with --eval-iters 0 nothing is evaluated)")
+
+
+# Megatron-LM's size arguments megatron.training takes at zero or below without a check of its own, and fails
+# on later with a traceback on every rank: in a division inside validate_args itself (the parallel sizes, the
+# heads), in TransformerConfig (the layers), or in a tensor's shape as the model is built (the rest)
+_POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+             "num_attention_heads", "num_layers", "hidden_size", "kv_channels", "seq_length")
+
+
+def check_sizes(args) -> None:
+    """Each of ``_POSITIVE`` given is positive; run before megatron's ``validate_args``, which divides by some."""
+    for name in _POSITIVE:
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise InputRefused(f"{_as_given(name, args)}: must be positive")
+
+
+def check_moe_routing(args) -> None:
+    """megatron-core's TransformerConfig divides the experts into --moe-router-num-groups groups: for a dense
+    model (no --num-experts) that is a TypeError on every rank as the config is built."""
+    if getattr(args, "moe_router_num_groups", None) and not getattr(args, "num_experts", None):
+        given = [name for name in ("moe_router_num_groups", "moe_router_group_topk") if getattr(args, name, None)]
+        raise InputRefused(f"{', '.join(_as_given(name, args) for name in given)} without --num-experts: "
+                           "group-limited routing chooses among experts; pass --num-experts N for a mixture of "
+                           "experts, or leave the routing flags out for a dense model")
+
+
+def check_manual_gc(args) -> None:
+    """megatron.training asserts a non-negative --manual-gc-interval as training starts, after the model is
+    built, outside ``validate_args``: a bare traceback on every rank."""
+    if getattr(args, "manual_gc", False) and args.manual_gc_interval < 0:
+        raise InputRefused(f"--manual-gc-interval {args.manual_gc_interval}: must be 0 or more (0: no collection "
+                           "between training steps; N: one every N steps)")
+
+
+def usage_error_refused(parse):
+    """``parse()``, megatron.training's ``parse_args``; argparse's usage error there (an unknown flag, a value
+    its type refuses), which every rank would print with megatron's whole usage, some thousand flags, is
+    argparse's message as an ``InputRefused``: rank 0's one line, exit status 2 on every rank (adapter.run).
+    What else the parse prints on stderr comes out after it, as it was."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return parse()
+    except SystemExit as exc:
+        message = captured.getvalue().rpartition(": error: ")[2].strip()
+        if exc.code != 2 or not message:
+            raise
+        captured = io.StringIO()  # said in the refusal
+        raise InputRefused(f"{message} (--help lists the flags)") from None
+    finally:
+        sys.stderr.write(captured.getvalue())
+
+
+def enum_type(handler, enum_class):
+    """megatron.training's argparse ``type`` for an enum-valued flag (``--exit-signal SIGTERM``), whose unknown
+    member name is a ``KeyError`` argparse passes up as a traceback: argparse's usage error instead, naming the
+    members (``usage_error_refused`` then makes it one line)."""
+
+    @functools.wraps(handler)
+    def member(name: str):
+        try:
+            return handler(name)
+        except KeyError:
+            raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(enum_class.__members__)}") from None
+
+    return member
 
 
 # OptimizerParamScheduler's values -> the arguments megatron.training computes each from (get_optimizer_param_

@@ -10,7 +10,10 @@ from __future__ import annotations
 import copy
 import functools
 
+from packaging.version import Version
+
 from adapter import input_refusals
+from adapter.registry import installed_megatron_core_version
 
 _T = "megatron.training."
 
@@ -18,16 +21,66 @@ _T = "megatron.training."
 def one_line_refusals(validate_args):
     """Outermost around ``validate_args`` (registered last): every rank fails the same check the same way,
     before any process group exists, so its exception becomes the refusal; an exception from elsewhere
-    than megatron's checks keeps its traceback. Then the schedule check megatron lacks."""
+    than megatron's checks keeps its traceback. Before it the sizes it divides by; after it the checks
+    megatron lacks."""
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
+        input_refusals.check_sizes(args)
         validated = input_refusals.refused_call(lambda: validate_args(args, *rest, **kwargs),
                                                 input_refusals.refusal, args)
         input_refusals.check_schedule(args)
+        input_refusals.check_moe_routing(args)
+        input_refusals.check_manual_gc(args)
         return validated
 
     return validate
+
+
+def one_usage_error(parse_args):
+    """argparse's usage error in megatron's parser: one line from rank 0 (``usage_error_refused``)."""
+
+    @functools.wraps(parse_args)
+    def parse(*args, **kwargs):
+        return input_refusals.usage_error_refused(lambda: parse_args(*args, **kwargs))
+
+    return parse
+
+
+def enum_names_refused(get_enum_kwargs):
+    """An unknown name for an enum-valued flag: argparse's usage error, not a KeyError (``enum_type``)."""
+
+    @functools.wraps(get_enum_kwargs)
+    def enum_kwargs(self, config_type):
+        kwargs = get_enum_kwargs(self, config_type)
+        return {**kwargs, "type": input_refusals.enum_type(kwargs["type"], config_type)}
+
+    return enum_kwargs
+
+
+def config_refused(config_from_args):
+    """megatron.training builds megatron-core's TransformerConfig from the arguments after ``validate_args``
+    (gpt_config_from_args, the model builders), on every rank: a check of the config that fails (heads not
+    divisible by TP, an uneven pipeline split that does not add up) is one line, not a traceback per rank."""
+
+    @functools.wraps(config_from_args)
+    def build(args, *rest, **kwargs):
+        return input_refusals.refused_call(lambda: config_from_args(args, *rest, **kwargs),
+                                           input_refusals.config_refusal, args)
+
+    return build
+
+
+def tokenizer_refused(build_tokenizer):
+    """megatron.training builds the tokenizer as it sets its globals, after ``validate_args``: a missing or
+    unreadable --tokenizer-model fails a check of megatron-core's tokenizers on every rank."""
+
+    @functools.wraps(build_tokenizer)
+    def build(args, *rest, **kwargs):
+        return input_refusals.refused_call(lambda: build_tokenizer(args, *rest, **kwargs),
+                                           input_refusals.tokenizer_refusal, args)
+
+    return build
 
 
 def corpora_checked(build_iterators):
@@ -62,6 +115,17 @@ def schedule_refused(get_scheduler):
 
 
 def register(registry, versions: str) -> None:
+    registry.wrap(f"{_T}arguments:parse_args", one_usage_error, versions=versions,
+                  reason="argparse's usage error prints megatron's whole usage from every rank: one line, exit 2")
+    registry.wrap(f"{_T}argument_utils:ArgumentGroupFactory._get_enum_kwargs", enum_names_refused,
+                  versions=versions,
+                  reason="an unknown enum name (--exit-signal SIGFOO): a KeyError argparse passes on; its usage error")
+    config_module = "argument_utils" if Version(installed_megatron_core_version()) >= Version("0.18") else "arguments"
+    registry.wrap(f"{_T}{config_module}:core_transformer_config_from_args", config_refused, versions=versions,
+                  reason="a failed check of TransformerConfig is a traceback on every rank: one line, exit 2 (0.18 "
+                         "moved it to argument_utils)")
+    registry.wrap(f"{_T}global_vars:_build_tokenizer", tokenizer_refused, versions=versions,
+                  reason="a missing or unreadable --tokenizer-model fails megatron's tokenizer on every rank: one line")
     registry.wrap(f"{_T}arguments:validate_args", one_line_refusals, versions=versions,
                   reason="a failed assert in validate_args is a bare traceback on every rank: one line, exit 2")
     registry.wrap(f"{_T}training:build_train_valid_test_data_iterators", corpora_checked, versions=versions,

@@ -123,6 +123,21 @@ def _mla_ring_attention_refused(validate_args):
     return validate
 
 
+def _cp_attention_refused(validate_args):
+    """Megatron-LM's ``validate_args``, then, with context parallelism, what the adapter's CP attention
+    cannot run (``context_parallel.arguments_refusal``) refused in one line before any model is built."""
+
+    @functools.wraps(validate_args)
+    def validate(args, *rest, **kwargs):
+        validated = validate_args(args, *rest, **kwargs)
+        problem = context_parallel.arguments_refusal(args) if args.context_parallel_size > 1 else None
+        if problem:
+            raise RefusedSetting(problem)
+        return validated
+
+    return validate
+
+
 def _register_moe_permutation(registry, versions: str, provider) -> None:
     """``moe_permute_fusion`` runs the provider's permutation. Without Transformer Engine, moe_utils leaves
     its fused names unbound (0.16) or binds them to None (0.17+; a bind goes over None) and ``HAVE_TE``
@@ -153,6 +168,9 @@ def register(registry, versions: str) -> None:
         registry.replace(f"{_MLA_ROPE}:{name}", getattr(mla_rope, name), versions=versions, backends=("cpu", "npu"),
                          reason="apply_rope_fusion with MLA: megatron's Triton kernel needs a GPU; the same "
                                 "computation in torch")
+    registry.wrap("megatron.training.arguments:validate_args", _cp_attention_refused, versions=versions,
+                  backends=("cpu", "npu"), reason="a CP comm type, head split or attention dropout the adapter's CP "
+                                                  "attention cannot run fails at model build: one line before")
     registry.wrap("megatron.training.arguments:validate_args", _mla_ring_attention_refused, versions=versions,
                   backends=("cpu", "npu"), reason="MLA over ring context parallelism: the adapter's ring attention "
                                                   "takes one head size; one line before any model is built")

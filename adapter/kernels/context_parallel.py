@@ -58,6 +58,31 @@ def check_cp_attention(cp_comm_type, heads: int, groups: int, cp: int) -> str:
     return kind
 
 
+def arguments_refusal(args) -> str | None:
+    """What of Megatron-LM's arguments (validated ``args``) this CP attention cannot run, in their flags, or
+    None: a ``--cp-comm-type`` other than ``COMM_TYPES``, Ulysses over heads CP does not divide, attention
+    dropout. The attention itself refuses them only as the model is built or in the first forward, on every
+    rank; said from the arguments, the job gets one line before any model exists."""
+    cp = args.context_parallel_size
+    kinds = args.cp_comm_type if isinstance(args.cp_comm_type, (list, tuple)) else [args.cp_comm_type]
+    kinds = [kind or "p2p" for kind in kinds]
+    unsupported = [kind for kind in kinds if kind not in COMM_TYPES]
+    if unsupported:
+        return (f"--cp-comm-type {' '.join(kinds)}: the adapter's context-parallel attention runs p2p (ring) and "
+                "a2a (Ulysses): use those")
+    tp = args.tensor_model_parallel_size
+    heads = args.num_attention_heads // tp
+    groups = (args.num_query_groups if args.group_query_attention else args.num_attention_heads) // tp
+    if "a2a" in kinds and (heads % cp or groups % cp):
+        return (f"--cp-comm-type a2a with --context-parallel-size {cp}: Ulysses spreads each TP rank's {heads} "
+                f"attention heads and {groups} query groups over the CP ranks, which {cp} does not divide: use "
+                "--cp-comm-type p2p, or a CP size dividing both")
+    if args.attention_dropout:
+        return (f"--attention-dropout {args.attention_dropout} with --context-parallel-size {cp}: the adapter's "
+                "context-parallel attention has no attention dropout: pass --attention-dropout 0")
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------
 # ring attention (p2p)
 
