@@ -3,10 +3,14 @@
 checkpoint on the curve it was saved on.
 
 Needs a Megatron-LM checkout of the installed release on PYTHONPATH (tests/test_megatron_lm.py); skipped
-with the reason otherwise. Our side is given ``--model gpt-tiny``, Megatron-LM's side the flags
-``models.megatron_lm_args`` writes for that model, so equal losses also show that ``--model`` stands for
-those flags. The layout is the one issue 50 names: TP2 with sequence parallelism x DP2 on 4 cpu ranks, the
-distributed optimizer, dropout 0.1 (the dropout RNG streams must match and resume too), mock data.
+with the reason otherwise. Both entry points then import that checkout's megatron.training:
+
+    PYTHONPATH=/path/to/Megatron-LM pytest -m megatron_lm tests/test_one_flow_entry_points.py
+
+Our side is given ``--model gpt-tiny``, Megatron-LM's side the flags ``models.megatron_lm_args`` writes for
+that model, so equal losses (and equal saved arguments) also show that ``--model`` stands for those flags.
+The layout is the one issue 50 names: TP2 with sequence parallelism x DP2 on 4 cpu ranks, the distributed
+optimizer, dropout 0.1 (the dropout RNG streams must match and resume too), mock data.
 
 Losses are read from each run's TensorBoard events (the float32 values megatron reduced: training loss per
 iteration, validation and test losses), not from the log, which prints 7 digits and, after a restart, the
@@ -31,7 +35,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import models
 from adapter.core_source import megatron_lm_checkout
 from models.megatron_lm_args import flags
-from scripts.plot_loss import read_scalars
 from tests.distributed import ROOT
 
 pytestmark = [pytest.mark.megatron_lm, pytest.mark.multiproc, pytest.mark.slow]
@@ -56,9 +59,9 @@ def _megatron_lms(args: list[str]) -> list[str]:
     return ["-m", "adapter.run", str(megatron_lm_checkout() / "pretrain_gpt.py"), *flags(models.get(MODEL)), *args]
 
 
-def _train(run_dir: Path, entry, args: list[str]) -> dict[str, dict[int, float]]:
-    """A run of ``entry`` on FLAGS and ``args`` in ``run_dir`` (made here); its losses, TensorBoard tag ->
-    {iteration: value}, or the test fails with the log's tail."""
+def _train(run_dir: Path, entry, args: list[str]) -> dict[str, list[tuple[int, float]]]:
+    """A run of ``entry`` on FLAGS and ``args`` in ``run_dir`` (made here); its losses (``_losses``), or the
+    test fails with the log's tail."""
     run_dir.mkdir()
     own = ["--tensorboard-dir", str(run_dir / "tensorboard"), "--data-cache-path", str(run_dir / "cache")]
     env = {**os.environ, "ADAPTER_BACKEND": "cpu", "OMP_NUM_THREADS": "1",
@@ -70,8 +73,22 @@ def _train(run_dir: Path, entry, args: list[str]) -> dict[str, dict[int, float]]
                               stdout=out, stderr=subprocess.STDOUT, timeout=600)
     text = log.read_text()
     assert done.returncode == 0, f"{run_dir.name} failed (exit status {done.returncode}):\n{text[-6000:]}"
-    return {tag: dict(values) for tag, values in read_scalars(run_dir / "tensorboard").items()
-            if tag.startswith("lm loss") and not tag.endswith(" vs samples")}
+    return _losses(run_dir / "tensorboard")
+
+
+def _losses(tensorboard: Path) -> dict[str, list[tuple[int, float]]]:
+    """TensorBoard tag -> [(iteration, value)] of the losses, in the order written: megatron writes the
+    evaluation at the last iteration, the final validation and the test loss under one tag and step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    losses = {}
+    for events in sorted(tensorboard.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            if tag.startswith("lm loss") and not tag.endswith(" vs samples"):
+                losses.setdefault(tag, []).extend((e.step, e.value) for e in accumulator.Scalars(tag))
+    return losses
 
 
 def _checkpoint_at(saved: Path, iteration: int, load: Path) -> list[str]:
@@ -82,8 +99,12 @@ def _checkpoint_at(saved: Path, iteration: int, load: Path) -> list[str]:
     return ["--load", str(load)]
 
 
-def _after(losses: dict[str, dict[int, float]], iteration: int) -> dict[str, dict[int, float]]:
-    return {tag: {i: v for i, v in values.items() if i > iteration} for tag, values in losses.items()}
+def _after(losses: dict[str, list[tuple[int, float]]], iteration: int) -> dict[str, list[tuple[int, float]]]:
+    return {tag: [(i, v) for i, v in values if i > iteration] for tag, values in losses.items()}
+
+
+def _iterations(values: list[tuple[int, float]]) -> list[int]:
+    return [iteration for iteration, _ in values]
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +121,10 @@ def uninterrupted(tmp_path_factory):
 
 def test_the_same_flags_train_the_same_losses_through_both_entry_points(uninterrupted):
     (ours, _), (megatron_lms, _) = uninterrupted
-    assert sorted(ours["lm loss"]) == list(range(1, ITERATIONS + 1)), ours
-    assert sorted(ours["lm loss validation"]) == [SAVED_AT, ITERATIONS], ours
-    assert ours["lm loss"][ITERATIONS] < ours["lm loss"][1] - 0.1, ours  # it trains
+    assert _iterations(ours["lm loss"]) == list(range(1, ITERATIONS + 1)), ours
+    # at 4 and 8 in the loop, then the final validation and test losses
+    assert _iterations(ours["lm loss validation"]) == [SAVED_AT, ITERATIONS, ITERATIONS, ITERATIONS], ours
+    assert ours["lm loss"][-1][1] < ours["lm loss"][0][1] - 0.1, ours  # it trains
     assert ours == megatron_lms
 
 
@@ -155,5 +177,5 @@ def test_each_resumes_the_others_checkpoint_on_the_curve_it_was_saved_on(uninter
     full, saved = by_name[saver]
     load = _checkpoint_at(saved, SAVED_AT, tmp_path / "load")
     resumed = _train(tmp_path / loader, {"ours": _ours, "megatron-lm": _megatron_lms}[loader], load)
-    assert sorted(resumed["lm loss"]) == list(range(SAVED_AT + 1, ITERATIONS + 1)), resumed
+    assert _iterations(resumed["lm loss"]) == list(range(SAVED_AT + 1, ITERATIONS + 1)), resumed
     assert resumed == _after(full, SAVED_AT)
