@@ -7,9 +7,9 @@ not) hands its write results through the queue ``get_write_results_queue`` gives
 fresh interpreter which re-imports the entry script, and torch and megatron with it: about 8 s of CPU per
 rank before the first checkpoint is written, the same on a GPU node. An asynchronous save needs it (the
 writing process is another one). A synchronous save writes and collects in the saving process, where a
-plain queue serves. Inside ``results_in_process()``, which the pretrain flow enters around its own
-synchronous saves, the writer gets one; every other save, Megatron-LM's asynchronous ones included, gets
-megatron's own queue.
+plain queue serves. Inside ``results_in_process()``, which megatron.training's ``save_checkpoint`` enters
+without ``--async-save`` (``in_process_unless_async``; the own loop enters it around its synchronous saves),
+the writer gets one; every other save, the asynchronous ones, gets megatron's own queue.
 """
 
 from __future__ import annotations
@@ -44,3 +44,19 @@ def in_process_when_synchronous(get_results_queue):
         return own if own is not None else get_results_queue(*args, **kwargs)
 
     return write_results_queue
+
+
+def in_process_unless_async(save_checkpoint):
+    """Registry wrapper for megatron.training's ``save_checkpoint``: without ``--async-save`` its writes and
+    their results stay in the saving process (``results_in_process``), so its first save spawns no Manager."""
+
+    @functools.wraps(save_checkpoint)
+    def save(*call, **kwargs):
+        from megatron.training.global_vars import get_args  # the target's own package, loaded by now
+
+        if get_args().async_save:
+            return save_checkpoint(*call, **kwargs)
+        with results_in_process():
+            return save_checkpoint(*call, **kwargs)
+
+    return save

@@ -3,6 +3,7 @@ no multiprocessing Manager is spawned at the first save, and what was saved load
 the flow's scope still gets megatron's own Manager queue (which Megatron-LM's asynchronous saves need)."""
 
 import multiprocessing.process
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -49,3 +50,30 @@ def test_a_save_outside_the_scope_keeps_megatrons_manager_queue(tmp_path, starte
         saved, loaded = _save_and_load(tmp_path)
     assert torch.equal(loaded, saved)
     assert [name for name in started if name.startswith("SyncManager")], started
+
+
+def test_megatron_training_s_save_is_in_the_scope_unless_async_save(monkeypatch):
+    """megatron.training's ``save_checkpoint`` as registered: in the in-process scope without --async-save
+    (so its first save spawns no Manager), outside it with --async-save (its writer process needs one)."""
+    global_vars = pytest.importorskip("megatron.training.global_vars")
+    import megatron.training.checkpointing as checkpointing
+
+    assert "in_process_unless_async.<locals>.save" in _layers(checkpointing.save_checkpoint)
+    in_scope = []
+
+    def save():
+        in_scope.append(getattr(checkpoint_writes._SCOPE, "queue", None) is not None)
+
+    for async_save in (False, True):
+        monkeypatch.setattr(global_vars, "get_args", lambda: SimpleNamespace(async_save=async_save))
+        checkpoint_writes.in_process_unless_async(save)()
+    assert in_scope == [True, False]
+
+
+def _layers(function) -> list[str]:
+    """The qualified names of ``function``'s layers of wrapping, outermost first."""
+    names = []
+    while function is not None:
+        names.append(function.__code__.co_qualname)
+        function = getattr(function, "__wrapped__", None)
+    return names
