@@ -29,7 +29,7 @@ from adapter.training.arguments import ArgumentError  # noqa: E402
 from adapter.training.data import train_valid_test_datasets_provider  # noqa: E402
 from adapter.training.nonfinite import NonFiniteStep  # noqa: E402
 from adapter.training.pretrain import pretrain  # noqa: E402
-from adapter.training.shared_outcome import StepFailed  # noqa: E402
+from adapter.shared_outcome import StepFailed  # noqa: E402
 
 
 def main(argv=None) -> int:
