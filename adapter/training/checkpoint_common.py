@@ -22,12 +22,8 @@ from __future__ import annotations
 
 import argparse
 
-# the flow's earlier names of the RNG states -> Megatron-LM's
-RNG_NAMES = {"random": "random_rng_state", "numpy": "np_rng_state", "torch": "torch_rng_state",
-             "device": "cuda_rng_state", "tracker": "rng_tracker_states"}
-# how the flow sharded the optimizer state before its checkpoints named it (content_metadata): with it a MoE
-# model's two optimizers (dense and expert parameters) save each state under its parameter's key alone
-FLOW_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+from adapter.earlier_checkpoints import FLOW_OPTIMIZER_FORMAT
+
 # one that reshards across TP and PP as well as DP (megatron's DistributedOptimizer lists them)
 FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")
 _PLAIN = (bool, int, float, str, type(None))
@@ -111,8 +107,3 @@ def consumed_samples(common: dict) -> dict:
         return {"train": common["consumed_train_samples"], "valid": common["consumed_valid_samples"]}
     args = common.get("args")
     return {"train": getattr(args, "consumed_train_samples", 0), "valid": getattr(args, "consumed_valid_samples", 0)}
-
-
-def rng_names(state: dict) -> dict:
-    """One rank's RNG states under Megatron-LM's names, whichever the checkpoint used."""
-    return {RNG_NAMES.get(name, name): value for name, value in state.items()}

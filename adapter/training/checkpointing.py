@@ -46,7 +46,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
-from adapter import checkpoint_dir, checkpoint_writes, device, sharding
+from adapter import checkpoint_dir, checkpoint_writes, device, earlier_checkpoints, sharding
 from adapter.shared_outcome import shared_outcome
 from adapter.training import checkpoint_common, fsdp_checkpoint
 from adapter.training.arguments import ArgumentError
@@ -88,7 +88,7 @@ def _rng_entries(args, common: dict | None) -> dict:
 
 
 def _set_rng_state(states: list) -> None:
-    state = checkpoint_common.rng_names(states[0])
+    state = earlier_checkpoints.rng_names(states[0])
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
