@@ -1,5 +1,6 @@
 """Bad input to megatron.training, the registry entries (the mechanism: ``adapter/input_refusals.py``): a check
-of Megatron-LM's ``validate_args`` that fails, a missing --eval-interval, and a --data-path corpus that is
+of Megatron-LM's ``validate_args`` that fails, a missing --eval-interval, a megatron tokenizer without its
+vocabulary files, and a --data-path corpus that is
 missing or holds ids outside the vocabulary each end in one ``InputRefused`` line for the job, which
 ``adapter.run`` prints from rank 0 with exit status 2 on every rank. megatron.training's code is unchanged;
 its own message is the reason. On 0.16.1 (no megatron.training in the wheel) they stay pending without a
@@ -18,13 +19,14 @@ _T = "megatron.training."
 def one_line_refusals(validate_args):
     """Outermost around ``validate_args`` (registered last): every rank fails the same check the same way,
     before any process group exists, so its exception becomes the refusal; an exception from elsewhere
-    than megatron's checks keeps its traceback. Then the schedule check megatron lacks."""
+    than megatron's checks keeps its traceback. Then the schedule and tokenizer checks megatron lacks."""
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
         validated = input_refusals.refused_call(lambda: validate_args(args, *rest, **kwargs),
                                                 input_refusals.refusal, args)
         input_refusals.check_schedule(args)
+        input_refusals.check_tokenizer(args)
         return validated
 
     return validate
