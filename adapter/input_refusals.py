@@ -151,6 +151,17 @@ def check_tokenizer(args) -> None:
                            "--tokenizer-model DIR, or NullTokenizer --vocab-size N), or --model NAME")
 
 
+def check_vocabulary(args, tokenizer) -> None:
+    """The embedding's rows, where given (``--padded-vocab-size``; ``--model NAME`` gives the model's own), hold
+    every token the tokenizer makes: megatron does not check it, and a larger id fails in the embedding."""
+    rows = getattr(args, "padded_vocab_size", None)
+    if rows is not None and tokenizer.vocab_size > rows:
+        raise InputRefused(f"--padded-vocab-size {rows}: the tokenizer ({args.tokenizer_type}) has "
+                           f"{tokenizer.vocab_size} entries, more than the embedding's {rows} rows: use the model's "
+                           f"tokenizer (or a smaller --vocab-size), or pass --padded-vocab-size N of at least "
+                           f"{tokenizer.vocab_size}")
+
+
 # OptimizerParamScheduler's values -> the arguments megatron.training computes each from (get_optimizer_param_
 # scheduler): what a failed check of the schedule names, with the values given
 _SCHEDULE_SOURCES = {

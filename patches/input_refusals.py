@@ -32,6 +32,19 @@ def one_line_refusals(validate_args):
     return validate
 
 
+def vocabulary_checked(build_tokenizer):
+    """megatron.training builds the tokenizer on every rank before any process group: one whose entries
+    outnumber the embedding's given rows is one line there, not an index error in the first forward."""
+
+    @functools.wraps(build_tokenizer)
+    def build(args, *rest, **kwargs):
+        tokenizer = build_tokenizer(args, *rest, **kwargs)
+        input_refusals.check_vocabulary(args, tokenizer)
+        return tokenizer
+
+    return build
+
+
 def corpora_checked(build_iterators):
     """Before megatron.training builds its datasets (on every rank, once per virtual stage): the corpora
     checked (``input_refusals.check_data``), where a missing prefix would otherwise fail in megatron's
@@ -66,6 +79,8 @@ def schedule_refused(get_scheduler):
 def register(registry, versions: str) -> None:
     registry.wrap(f"{_T}arguments:validate_args", one_line_refusals, versions=versions,
                   reason="a failed assert in validate_args is a bare traceback on every rank: one line, exit 2")
+    registry.wrap(f"{_T}global_vars:build_tokenizer", vocabulary_checked, versions=versions,
+                  reason="a tokenizer larger than --padded-vocab-size fails in the embedding: one line, exit 2")
     registry.wrap(f"{_T}training:build_train_valid_test_data_iterators", corpora_checked, versions=versions,
                   reason="a missing or out-of-vocabulary --data-path fails mid-build on some ranks: one line, exit 2")
     registry.wrap(f"{_T}training:get_optimizer_param_scheduler", schedule_refused, versions=versions,

@@ -92,6 +92,21 @@ def test_a_megatron_tokenizer_without_its_files_is_one_line_not_a_download(monke
     assert "\n" not in str(refused.value)
 
 
+def test_a_tokenizer_larger_than_the_embedding_is_one_line(monkeypatch):
+    """--model NAME fixes the embedding's rows (--padded-vocab-size): a tokenizer of more entries is refused
+    where megatron.training builds it, naming both sizes."""
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args, validate_args
+
+    assert adapter.registry.status("megatron.training.global_vars:build_tokenizer") == "applied"
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY, "--padded-vocab-size", "128"])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(InputRefused) as refused:
+        global_vars.build_tokenizer(validate_args(parse_args()))
+    assert str(refused.value).startswith("--padded-vocab-size 128: the tokenizer (NullTokenizer) has 256 entries, "
+                                         "more than the embedding's 128 rows")
+
+
 def test_arguments_megatron_takes_pass(monkeypatch):
     from megatron.training.arguments import parse_args, validate_args
 
