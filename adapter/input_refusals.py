@@ -226,6 +226,35 @@ def enum_type(handler, enum_class):
     return member
 
 
+# megatron-core's own tokenizers (megatron/core/tokenizers/utils/build_tokenizer.py, MEGATRON_TOKENIZERS) and the
+# files each reads: without them megatron fetches the files from the internet with wget on rank 0, a
+# ModuleNotFoundError where wget is not installed and a hang where no network is
+_TOKENIZER_FILES = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "BertWordPieceLowerCase": ("vocab_file",),
+                    "BertWordPieceCase": ("vocab_file",)}
+
+
+def check_tokenizer(args) -> None:
+    """A megatron tokenizer without its vocabulary files (Megatron-LM's pretrain_gpt.py defaults to
+    GPT2BPETokenizer) is one line naming the flags, not a download."""
+    missing = [name for name in _TOKENIZER_FILES.get(args.tokenizer_type, ()) if not getattr(args, name, None)]
+    if missing:
+        needed = " and ".join(_flags()[name].option_strings[0] for name in missing)
+        raise InputRefused(f"--tokenizer-type {args.tokenizer_type} needs {needed} (megatron would download "
+                           "them): pass them, or another tokenizer (--tokenizer-type HuggingFaceTokenizer "
+                           "--tokenizer-model DIR, or NullTokenizer --vocab-size N), or --model NAME")
+
+
+def check_vocabulary(args, tokenizer) -> None:
+    """The embedding's rows, where given (``--padded-vocab-size``; ``--model NAME`` gives the model's own), hold
+    every token the tokenizer makes: megatron does not check it, and a larger id fails in the embedding."""
+    rows = getattr(args, "padded_vocab_size", None)
+    if rows is not None and tokenizer.vocab_size > rows:
+        raise InputRefused(f"--padded-vocab-size {rows}: the tokenizer ({args.tokenizer_type}) has "
+                           f"{tokenizer.vocab_size} entries, more than the embedding's {rows} rows: use the model's "
+                           f"tokenizer (or a smaller --vocab-size), or pass --padded-vocab-size N of at least "
+                           f"{tokenizer.vocab_size}")
+
+
 # OptimizerParamScheduler's values -> the arguments megatron.training computes each from (get_optimizer_param_
 # scheduler): what a failed check of the schedule names, with the values given
 _SCHEDULE_SOURCES = {

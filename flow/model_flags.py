@@ -15,8 +15,25 @@ from models.config import ModelConfigError
 from models.megatron_lm_args import flags
 
 
-def expand(argv: list[str]) -> list[str]:
-    """``argv`` with ``--model NAME`` (or ``--model=NAME``) replaced by NAME's Megatron-LM flags, put first."""
+def name(argv: list[str]) -> str | None:
+    """The NAME of ``--model NAME`` (or ``--model=NAME``) in ``argv``; None without one."""
+    return _split(argv)[0]
+
+
+def expand(argv: list[str], describe=flags) -> list[str]:
+    """``argv`` with ``--model NAME`` (or ``--model=NAME``) replaced by NAME's Megatron-LM flags (``describe``'s),
+    put first."""
+    named, rest = _split(argv)
+    if named is None:
+        return rest
+    try:
+        return [*describe(models.get(named)), *rest]
+    except ModelConfigError as exc:  # an unknown name, a model Megatron-LM's flags cannot describe
+        raise InputRefused(f"--model {named}: {exc}") from None
+
+
+def _split(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(NAME of ``--model NAME``, the other words)."""
     words, name, rest = list(argv), None, []
     while words:
         word = words.pop(0)
@@ -26,9 +43,4 @@ def expand(argv: list[str]) -> list[str]:
             name = word.split("=", 1)[1]
         else:
             rest.append(word)
-    if name is None:
-        return rest
-    try:
-        return [*flags(models.get(name)), *rest]
-    except ModelConfigError as exc:  # an unknown name, a model Megatron-LM's flags cannot describe
-        raise InputRefused(f"--model {name}: {exc}") from None
+    return name, rest

@@ -7,10 +7,13 @@ checkpoints expect; the flags a user adds after them override them (argparse kee
 
     torchrun ... -m adapter.run /path/to/Megatron-LM/pretrain_gpt.py $(python -m models.megatron_lm_args qwen3-8b) ...
 
-Left to the rest of the command line: the vocabulary (megatron.training pads the tokenizer's own, so
-``--tokenizer-*`` and ``--make-vocab-size-divisible-by`` decide it), dropout and every training setting;
-``--seq-length`` is the model's usual one, which a later ``--seq-length`` replaces. A model Megatron-LM's
-flags cannot describe is refused in one line naming the field: hybrid models (Gated DeltaNet layers:
+The embedding's rows are the named model's (``--padded-vocab-size``, so a Hugging Face checkpoint converted by
+``scripts/convert_checkpoint.py`` loads at any TP, whatever the tokenizer; megatron would otherwise pad the
+tokenizer's vocabulary to a multiple of 128 x TP, past the HF rows at TP > 1 for Qwen's 151936), and the
+tokenizer, unless the command line names its own, is NullTokenizer over those rows (Megatron-LM's default,
+GPT2BPETokenizer, needs GPT-2's vocabulary files). Left to the rest of the command line: dropout and every
+training setting; ``--seq-length`` is the model's usual one, which a later ``--seq-length`` replaces. A model
+Megatron-LM's flags cannot describe is refused in one line naming the field: hybrid models (Gated DeltaNet layers:
 Megatron-LM's pretrain_hybrid.py, with flags of its own) and YaRN settings that ``MLATransformerConfig`` only
 takes at their defaults (no flag sets them).
 """
@@ -19,6 +22,10 @@ from __future__ import annotations
 
 import shlex
 import sys
+
+from packaging.version import Version
+
+from adapter.registry import installed_megatron_core_version
 
 from .config import _FIELD_DEFAULTS, ModelConfig, ModelConfigError
 
@@ -39,12 +46,21 @@ _SWITCHES = ("add_qkv_bias", "qk_layernorm", "attention_output_gate", "zero_cent
 _RENAMED = {"position_embedding": "--position-embedding-type", "zero_centered_norm": "--apply-layernorm-1p"}
 # MLATransformerConfig's YaRN fields that no Megatron-LM flag sets, at the value Megatron-LM builds them with
 _UNFLAGGED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+# the first release whose NullTokenizer counts --vocab-size entries, its end-of-document id the last of them
+# (megatron-core 0.16 / 0.17 add one entry for it)
+_NULL_VOCAB_SINCE = "0.18"
 
 
 def flags(config: ModelConfig) -> list[str]:
-    """Megatron-LM's flags that build ``config``'s architecture (module docstring)."""
+    """Megatron-LM's flags that build ``config``'s architecture and vocabulary (module docstring)."""
     _refuse_unflagged(config)
-    words = [*_valued(config, _STRUCTURE, always=True), *_valued(config, _VALUED)]
+    return described(config)
+
+
+def described(config: ModelConfig) -> list[str]:
+    """``flags`` of what Megatron-LM's flags can say of ``config``, not refusing the rest (a hybrid model's layer
+    types, MLA's YaRN settings): for a reader that takes those from the config itself (``flow.memory_plan``)."""
+    words = [*vocabulary(config), *_valued(config, _STRUCTURE, always=True), *_valued(config, _VALUED)]
     if config.num_query_groups != config.num_attention_heads:
         words += ["--group-query-attention", "--num-query-groups", str(config.num_query_groups)]
     if config.activation == "swiglu":
@@ -61,6 +77,16 @@ def flags(config: ModelConfig) -> list[str]:
     if config.mtp_num_layers is not None:
         words += ["--mtp-num-layers", str(config.mtp_num_layers)]
     return words + [_flag(field) for field in _SWITCHES if getattr(config, field)]
+
+
+def vocabulary(config: ModelConfig) -> list[str]:
+    """The named model's embedding rows, and NullTokenizer over them for a command line that names no tokenizer
+    of its own (its flags come later and win)."""
+    entries = config.vocab_size
+    if Version(installed_megatron_core_version()) < Version(_NULL_VOCAB_SINCE):
+        entries -= 1  # the release's NullTokenizer adds its end-of-document token
+    return ["--padded-vocab-size", str(config.vocab_size), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(entries)]
 
 
 def _valued(config: ModelConfig, fields: tuple[str, ...], always: bool = False) -> list[str]:

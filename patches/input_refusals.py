@@ -1,5 +1,6 @@
 """Bad input to megatron.training, the registry entries (the mechanism: ``adapter/input_refusals.py``): a check
-of Megatron-LM's ``validate_args`` that fails, a missing --eval-interval, and a --data-path corpus that is
+of Megatron-LM's ``validate_args`` that fails, a missing --eval-interval, a megatron tokenizer without its
+vocabulary files, and a --data-path corpus that is
 missing or holds ids outside the vocabulary each end in one ``InputRefused`` line for the job, which
 ``adapter.run`` prints from rank 0 with exit status 2 on every rank. megatron.training's code is unchanged;
 its own message is the reason. On 0.16.1 (no megatron.training in the wheel) they stay pending without a
@@ -22,7 +23,7 @@ def one_line_refusals(validate_args):
     """Outermost around ``validate_args`` (registered last): every rank fails the same check the same way,
     before any process group exists, so its exception becomes the refusal; an exception from elsewhere
     than megatron's checks keeps its traceback. Before it the sizes it divides by; after it the checks
-    megatron lacks."""
+    megatron lacks (schedule, tokenizer, MoE routing, manual GC)."""
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
@@ -30,6 +31,7 @@ def one_line_refusals(validate_args):
         validated = input_refusals.refused_call(lambda: validate_args(args, *rest, **kwargs),
                                                 input_refusals.refusal, args)
         input_refusals.check_schedule(args)
+        input_refusals.check_tokenizer(args)
         input_refusals.check_moe_routing(args)
         input_refusals.check_manual_gc(args)
         return validated
@@ -83,6 +85,19 @@ def tokenizer_refused(build_tokenizer):
     return build
 
 
+def vocabulary_checked(build_tokenizer):
+    """megatron.training builds the tokenizer on every rank before any process group: one whose entries
+    outnumber the embedding's given rows is one line there, not an index error in the first forward."""
+
+    @functools.wraps(build_tokenizer)
+    def build(args, *rest, **kwargs):
+        tokenizer = build_tokenizer(args, *rest, **kwargs)
+        input_refusals.check_vocabulary(args, tokenizer)
+        return tokenizer
+
+    return build
+
+
 def corpora_checked(build_iterators):
     """Before megatron.training builds its datasets (on every rank, once per virtual stage): the corpora
     checked (``input_refusals.check_data``), where a missing prefix would otherwise fail in megatron's
@@ -128,6 +143,8 @@ def register(registry, versions: str) -> None:
                   reason="a missing or unreadable --tokenizer-model fails megatron's tokenizer on every rank: one line")
     registry.wrap(f"{_T}arguments:validate_args", one_line_refusals, versions=versions,
                   reason="a failed assert in validate_args is a bare traceback on every rank: one line, exit 2")
+    registry.wrap(f"{_T}global_vars:build_tokenizer", vocabulary_checked, versions=versions,
+                  reason="a tokenizer larger than --padded-vocab-size fails in the embedding: one line, exit 2")
     registry.wrap(f"{_T}training:build_train_valid_test_data_iterators", corpora_checked, versions=versions,
                   reason="a missing or out-of-vocabulary --data-path fails mid-build on some ranks: one line, exit 2")
     registry.wrap(f"{_T}training:get_optimizer_param_scheduler", schedule_refused, versions=versions,

@@ -17,7 +17,7 @@
 #   value heads as well as the 32 query and 2 key-value heads.
 # - Global batch 256: the plan's 8 micro-batches per step at DP 32. The memory plan is 37.5 GiB at the peak
 #   (pipeline rank 3, with the output layer); it counts Gated DeltaNet's activations as flash-linear-attention's
-#   kernel keeps them (adapter/training/memory_plan.py), so on Ascend, where the torch implementation runs,
+#   kernel keeps them (flow/memory_plan.py), so on Ascend, where the torch implementation runs,
 #   size the micro-batch from a short run first.
 # - The sequence length is 4096, not the model's 262,144 positions: a pretraining stage, as the other launchers.
 #

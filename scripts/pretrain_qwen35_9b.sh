@@ -12,7 +12,7 @@
 # heads and the 16 query and 4 key-value heads; PP 2 gives each stage 16 model layers (megatron's hybrid stack:
 # 32 of its own, a mixer then an MLP each). The memory plan is 35.3 GiB at the peak (pipeline rank 0, with
 # the most micro-batches in flight), without recompute; it counts Gated DeltaNet's activations as
-# flash-linear-attention's kernel keeps them (adapter/training/memory_plan.py), so on Ascend, where the torch
+# flash-linear-attention's kernel keeps them (flow/memory_plan.py), so on Ascend, where the torch
 # implementation runs, size the micro-batch from a short run first.
 #
 #   DATA_PATH=/data/pile_text_document TOKENIZER_MODEL=/models/Qwen3.5-9B bash scripts/pretrain_qwen35_9b.sh

@@ -203,7 +203,7 @@ def test_the_memory_plan_counts_gated_delta_net_layers_by_hand():
     """Qwen3.5-9B at TP 2 x PP 2: every parameter once over TP and stages (Gated DeltaNet's output norm, the
     layer norms and QK-norms whole), and each stage's activations three Gated DeltaNet layers to one
     attention layer; full recompute keeps one input per megatron layer, two per model layer."""
-    from adapter.training.memory_plan import plan
+    from flow.memory_plan import plan
 
     model = models.get("qwen3.5-9b")
     sizes = dict(tp=2, pp=2, dp=1, micro_batch_size=1, global_batch_size=2, seq_length=4096)

@@ -1,5 +1,6 @@
 """Bad input to megatron.training ends in one line for the job and exit status 2 on every rank (issue 50):
-megatron's own failed checks in ``validate_args``, a missing --eval-interval, a --data-path corpus that is
+megatron's own failed checks in ``validate_args``, a missing --eval-interval, a megatron tokenizer without its
+vocabulary files, a --data-path corpus that is
 missing or holds an id outside the vocabulary (adapter/input_refusals.py, patches/input_refusals.py).
 
 CI has no Megatron-LM checkout: these go through the wheel's megatron.training (parse_args, validate_args,
@@ -67,6 +68,43 @@ def test_validate_args_refuses_in_one_line_naming_the_arguments(monkeypatch, arg
     with pytest.raises(InputRefused) as refused:
         validate_args(parse_args())
     assert str(refused.value) == line
+
+
+@pytest.mark.parametrize("tokenizer, needed", [
+    ([], "--vocab-file and --merge-file"),  # Megatron-LM's pretrain_gpt.py's default, GPT2BPETokenizer
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "vocab.json"], "--merge-file"),
+    (["--tokenizer-type", "BertWordPieceCase"], "--vocab-file"),
+])
+def test_a_megatron_tokenizer_without_its_files_is_one_line_not_a_download(monkeypatch, tokenizer, needed):
+    """megatron-core's GPT-2 and BERT tokenizers fetch missing vocabulary files with wget on rank 0 (without it,
+    a ModuleNotFoundError; offline, a hang): refused in validate_args naming the flags."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    from flow.pretrain import ARGS_DEFAULTS
+
+    untokenized = [word for word in TINY if word not in ("--tokenizer-type", "NullTokenizer", "--vocab-size", "256")]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *untokenized, *tokenizer])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(InputRefused) as refused:
+        validate_args(parse_args(), ARGS_DEFAULTS)
+    kind = tokenizer[1] if tokenizer else "GPT2BPETokenizer"
+    assert str(refused.value).startswith(f"--tokenizer-type {kind} needs {needed} (megatron would download them)")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_one_line(monkeypatch):
+    """--model NAME fixes the embedding's rows (--padded-vocab-size): a tokenizer of more entries is refused
+    where megatron.training builds it, naming both sizes."""
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args, validate_args
+
+    assert adapter.registry.status("megatron.training.global_vars:build_tokenizer") == "applied"
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY, "--padded-vocab-size", "128"])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(InputRefused) as refused:
+        global_vars.build_tokenizer(validate_args(parse_args()))
+    assert str(refused.value).startswith("--padded-vocab-size 128: the tokenizer (NullTokenizer) has 256 entries, "
+                                         "more than the embedding's 128 rows")
 
 
 def test_arguments_megatron_takes_pass(monkeypatch):

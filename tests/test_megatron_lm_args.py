@@ -49,17 +49,18 @@ def one_rank():
         yield
 
 
-def _megatron_lm_arguments(words: list[str], monkeypatch):
+def _megatron_lm_arguments(words: list[str], monkeypatch, tokenizer=("--tokenizer-type", "NullTokenizer",
+                                                                    "--vocab-size", "128"), world: int = 1):
     """Megatron-LM's parsed and validated arguments for ``words`` plus what a run needs besides a model."""
     from megatron.training.arguments import parse_args, validate_args
 
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *words, "--micro-batch-size", "1",
-                                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--lr", "1e-4",
-                                      "--train-iters", "1", "--eval-interval", "1", "--transformer-impl", "local"])
-    for name, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *words, "--micro-batch-size", "1", *tokenizer,
+                                      "--lr", "1e-4", "--train-iters", "1", "--eval-interval", "1",
+                                      "--transformer-impl", "local"])
+    for name, value in (("WORLD_SIZE", str(world)), ("RANK", "0"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
     args = parse_args()
-    validate_args(args)
+    validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})  # Megatron-LM's pretrain_gpt.py's default
     return args
 
 
@@ -96,3 +97,22 @@ def test_the_command_prints_the_flags_on_one_line_and_refuses_in_one(capsys):
     assert main(["kimi-k2"]) == 2
     refused = capsys.readouterr().err.splitlines()
     assert len(refused) == 1 and refused[0].startswith("error: beta_fast=1.0")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_a_named_models_embedding_has_its_own_rows_at_any_tp_and_a_null_tokenizer_over_them(tp, monkeypatch):
+    """Without tokenizer flags, megatron builds NullTokenizer over the named model's rows (its end-of-document id
+    the last of them), and the embedding has the model's rows, which megatron's padding of 151936 to a
+    multiple of 128 x TP would exceed at TP > 1: what a checkpoint converted from Hugging Face holds. A
+    tokenizer of the command line's own keeps the rows."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    model = models.get("qwen3-8b")
+    words = [*flags(model), "--tensor-model-parallel-size", str(tp)]
+    args = _megatron_lm_arguments(words, monkeypatch, tokenizer=(), world=tp)
+    tokenizer = build_tokenizer(args)
+    assert (args.tokenizer_type, args.padded_vocab_size) == ("NullTokenizer", model.vocab_size) == (
+        "NullTokenizer", 151936)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (model.vocab_size, model.vocab_size - 1)
+    own = _megatron_lm_arguments(words, monkeypatch, world=tp)
+    assert (build_tokenizer(own).vocab_size, own.padded_vocab_size) == (128, model.vocab_size)

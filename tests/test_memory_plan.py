@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 import models
-from adapter.training import memory_plan
-from adapter.training.arguments import parse_args, validate_args
-from adapter.training.memory_plan import PlanError, passes_in_flight, plan, plan_from_args
+from flow import memory_plan, model_flags
+from flow.memory_plan import PlanError, passes_in_flight, plan, plan_from_args
 from models.config import ModelConfig, ModelConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +28,7 @@ RECIPE_ARGS = ["--model", "qwen2.5-72b", "--tensor-model-parallel-size", "8", "-
                "--num-layers-per-virtual-pipeline-stage", "4", "--sequence-parallel", "--bf16",
                "--use-distributed-optimizer", "--use-flash-attn", "--micro-batch-size", "2",
                "--global-batch-size", "128", "--seq-length", "4096", "--hidden-dropout", "0.0",
-               "--attention-dropout", "0.0"]
+               "--attention-dropout", "0.0", "--eval-interval", "1000"]
 
 
 def _qwen72b_stage_parameters(first: bool, last: bool, tp: int = 8, layers: int = 20) -> int:
@@ -200,14 +199,20 @@ def test_cli_world_size_from_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--world-size", "8", *RECIPE_ARGS],
-     "error: world size 8 is not divisible by tensor (8) x pipeline (4) x context (1) parallel = 32"),
+     "error: world_size=8: world size (8) is not divisible by total_model_size (total_model_size=32)"),
     (["--world-size", "32", *RECIPE_ARGS, "--tensor-model-parallel-size", "3"],
-     "error: tensor parallel size 3 does not divide"),
+     "error: world_size=32: world size (32) is not divisible by total_model_size (total_model_size=12)"),
+    (["--world-size", "24", *RECIPE_ARGS, "--tensor-model-parallel-size", "3"],
+     "error: tensor parallel size 3 does not divide num_attention_heads=64"),
     (["--world-size", "32", *RECIPE_ARGS, "--num-layers-per-virtual-pipeline-stage", "3"],
-     "error: 80 layers over PP 4 cannot be cut into virtual stages of 3 layers"),
-    (["--world-size", "32", "--model", "qwen9"], "error: unknown model 'qwen9'"),
+     "error: --num-layers-per-virtual-pipeline-stage 3: number of layers per pipeline stage must be divisible"),
+    (["--world-size", "32", "--model", "qwen9"], "error: --model qwen9: unknown model 'qwen9'"),
+    (["--world-size", "32", *RECIPE_ARGS, "--rotary-base", "1e6"],
+     "error: argument --rotary-base: invalid int value: '1e6'"),
 ])
 def test_cli_errors_are_one_line(argv, message, capsys):
+    """megatron.training's own refusals, as the run would say them (the world size, the virtual stages), and the
+    plan's where megatron leaves a layout to the model's build (heads over TP)."""
     assert memory_plan.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
@@ -274,7 +279,7 @@ def test_72b_dry_runs_print_a_command_the_flow_accepts_and_a_plan_that_fits(tmp_
     command = _printed_command(done.stdout)
     argv = command[command.index(str(ROOT / "scripts" / "pretrain_gpt.py")) + 1:]
     world = int(command[command.index("--nnodes") + 1]) * int(command[command.index("--nproc_per_node") + 1])
-    args = validate_args(parse_args(argv), world)
+    args = memory_plan.megatron_args(argv, world)
     assert (args.seq_length, args.data_parallel_size) == (int(seq_length), 1)
     expected, _ = plan_from_args(["--world-size", str(world), *argv])
     assert f"memory plan per device: qwen2.5-72b, {layout}" in done.stdout
@@ -282,7 +287,7 @@ def test_72b_dry_runs_print_a_command_the_flow_accepts_and_a_plan_that_fits(tmp_
     assert (float(peak.group(1)), int(peak.group(2))) == (round(expected.peak.total / 2**30, 1), 0)
     assert expected.peak.total / 2**30 < DEVICE_GIB - HEADROOM_GIB, done.stdout
     if seq_length == "32768":
-        assert (args.context_parallel_size, args.cp_comm_type, expected.cp) == (4, "p2p", 4)
+        assert (args.context_parallel_size, args.cp_comm_type, expected.cp) == (4, ["p2p"], 4)  # megatron: per layer
         # activations of 32k tokens split over CP 4 are those of 8k tokens on one rank
         unsplit_8k = plan(QWEN72B, tp=8, pp=4, dp=4, micro_batch_size=1, global_batch_size=128, seq_length=8192)
         assert expected.peak.activations == unsplit_8k.peak.activations
@@ -396,14 +401,16 @@ def test_moe_layout_errors(change, error, message):
 
 
 MOE_ARGS = ["--num-layers", "28", "--hidden-size", "3584", "--ffn-hidden-size", "18944", "--num-attention-heads", "28",
-            "--group-query-attention", "--num-query-groups", "4", "--vocab-size", "151936", "--seq-length", "4096",
-            "--max-position-embeddings", "131072", "--norm-epsilon", "1e-6", "--rotary-base", "1e6", "--swiglu",
+            "--group-query-attention", "--num-query-groups", "4", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "151936", "--padded-vocab-size", "151936", "--seq-length", "4096",
+            "--max-position-embeddings", "131072", "--norm-epsilon", "1e-6",
+            "--position-embedding-type", "rope", "--rotary-base", "1000000", "--swiglu",
             "--disable-bias-linear", "--add-qkv-bias", "--num-experts", "64", "--moe-ffn-hidden-size", "2560",
             "--moe-router-topk", "8", "--moe-shared-expert-intermediate-size", "20480", "--moe-shared-expert-gate",
             "--moe-router-pre-softmax", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
             "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1", "--sequence-parallel",
             "--bf16", "--use-distributed-optimizer", "--use-flash-attn", "--micro-batch-size", "1",
-            "--global-batch-size", "64", "--hidden-dropout", "0", "--attention-dropout", "0"]
+            "--global-batch-size", "64", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "1000"]
 
 
 def test_cli_moe_table(capsys):
@@ -534,8 +541,8 @@ def dry_run(tmp_path: Path, script: str, name: str, layout: dict):
     command = _printed_command(done.stdout)
     argv = command[command.index(str(ROOT / "scripts" / "pretrain_gpt.py")) + 1:]
     world = int(command[command.index("--nnodes") + 1]) * int(command[command.index("--nproc_per_node") + 1])
-    args = validate_args(parse_args(argv), world)  # every argument is one the flow takes, and they fit together
-    assert (args.model, args.seq_length, world) == (name, 4096, layout["devices"])
+    args = memory_plan.megatron_args(argv, world)  # every argument is one the flow's parser takes, and they fit
+    assert (model_flags.name(argv), args.seq_length, world) == (name, 4096, layout["devices"])
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
             args.expert_model_parallel_size) == (layout["tp"], layout["pp"], layout["ep"])
     return done, args, plan_from_args(["--world-size", str(world), *argv])[0]

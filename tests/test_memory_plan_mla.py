@@ -12,8 +12,8 @@ import torch
 
 import models
 from adapter.parallel import PipelineSplit
-from adapter.training import memory_plan
-from adapter.training.memory_plan import PlanError, plan, plan_from_args
+from flow import memory_plan
+from flow.memory_plan import PlanError, plan, plan_from_args
 from tests.recompute_ranks import SavedActivations
 from tests.test_memory_plan import DEVICE_BYTES, RESERVE, dry_run
 
@@ -154,7 +154,8 @@ def test_cli_reads_the_split_and_the_modules(capsys):
             "--decoder-first-pipeline-num-layers", "8", "--decoder-last-pipeline-num-layers", "5",
             "--expert-model-parallel-size", "64", "--expert-tensor-parallel-size", "1", "--bf16",
             "--use-distributed-optimizer", "--use-flash-attn", "--recompute-granularity", "selective",
-            "--recompute-modules", "mla_up_proj", "moe_act", "--hidden-dropout", "0", "--attention-dropout", "0"]
+            "--recompute-modules", "mla_up_proj", "moe_act", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--micro-batch-size", "1", "--eval-interval", "1000"]
     assert memory_plan.main(argv) == 0
     out = capsys.readouterr().out
     assert "selective recompute of mla_up_proj moe_act" in out and "of which MTP (M)" in out
@@ -174,8 +175,8 @@ LAUNCHERS = {
 def test_launcher_dry_run_prints_a_command_the_flow_accepts_and_a_plan_that_fits(tmp_path, name):
     script, layout = LAUNCHERS[name]
     done, args, expected = dry_run(tmp_path, script, name, layout)
-    assert args.model_config.multi_latent_attention
-    assert args.model_config.mtp_num_layers == (1 if name == "deepseek-v3" else None)
+    assert args.multi_latent_attention and expected.model.multi_latent_attention
+    assert args.mtp_num_layers == expected.model.mtp_num_layers == (1 if name == "deepseek-v3" else None)
     assert [s.layers for s in expected.stages] == layout["sizes"]
     for row in ("weights", "grads", "optimizer", "activations", "logits", "total"):
         line = next(line for line in done.stdout.splitlines() if line.startswith(f"{row} (GiB)"))

@@ -27,7 +27,7 @@
 #                         and TOKENIZER_MODEL is missing; then splits DATA_PATH at blanks into the array DATA
 #                         (UNSET_DATA_PATH when empty, for a dry run).
 #   cluster_plan ARGS...  prints the memory plan of pretrain_gpt.py's ARGS at NNODES x NPROC_PER_NODE devices
-#                         (adapter.training.memory_plan, run by PYTHON with ROOT on PYTHONPATH); fails, as the
+#                         (flow.memory_plan, run by PYTHON with ROOT on PYTHONPATH); fails, as the
 #                         plan does, on a layout the world size cannot hold.
 #   launch_or_dry_run ARGS...
 #                         appends --load CKPT_LOAD_DIR, --save CKPT_SAVE_DIR --save-interval SAVE_INTERVAL
@@ -90,7 +90,7 @@ require_data_env() {
 # The plan parses the same argument list, so it also refuses a layout the world size cannot hold, before any
 # device is taken.
 cluster_plan() {
-    PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m adapter.training.memory_plan \
+    PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m flow.memory_plan \
         --world-size "$((NNODES * NPROC_PER_NODE))" "$@"
 }
 

@@ -2,7 +2,9 @@
 
 ``plan(model, tp=8, pp=4, vpp=5, dp=1, ...)`` returns one ``StagePlan`` per pipeline rank, because the ranks
 differ: the first holds the embedding and the most micro-batches in flight, the last holds the output layer
-and the logits. ``python -m adapter.training.memory_plan <the pretrain_gpt.py arguments>`` prints the table.
+and the logits. ``python -m flow.memory_plan --world-size N <the scripts/pretrain_gpt.py arguments>`` prints the
+table, from the arguments as megatron.training's own parser reads them (``--model NAME`` expanded first, as
+``scripts/pretrain_gpt.py`` does), so a plan refuses, in one line, what the run would refuse.
 
 What megatron-core 0.16.1 keeps on a device (P = this device's parameters, D = data-parallel x context-parallel
 ranks, over which the distributed optimizer shards):
@@ -134,15 +136,19 @@ the final norm's and output layer's inputs (2eh, over t with sequence parallelis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import math
 import os
 import sys
 import warnings
 
+from adapter.cuda_only_features import RefusedSetting
 from adapter.parallel import ParallelConfigError, PipelineSplit, check_sizes
-from adapter.training.arguments import add_moe_model_arguments
+from flow import model_flags
 from models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, ModelConfigError
+from models.megatron_lm_args import described
 
 
 GIB = 2**30
@@ -607,97 +613,116 @@ def _mtp_activations(model: ModelConfig, hidden: float, layer: float, logits: fl
     return count * kept, count * (logits - hidden)
 
 
-def _parser() -> argparse.ArgumentParser:
-    """The arguments the plan reads, with Megatron-LM's names and defaults; the rest are ignored, so the
-    launcher passes its whole pretrain_gpt.py argument list."""
-    parser = argparse.ArgumentParser(prog="python -m adapter.training.memory_plan", allow_abbrev=False,
-                                     description="Each device's planned memory for a Megatron-LM argument list")
-    parser.add_argument("--world-size", type=int,
-                        help="devices in all (default: NNODES x NPROC_PER_NODE from the environment)")
-    parser.add_argument("--model")
-    for name, kind in (("num-layers", int), ("hidden-size", int), ("ffn-hidden-size", int),
-                       ("num-attention-heads", int), ("num-query-groups", int), ("max-position-embeddings", int),
-                       ("seq-length", int), ("vocab-size", int), ("rotary-base", float), ("norm-epsilon", float),
-                       ("position-embedding-type", str), ("normalization", str)):
-        parser.add_argument(f"--{name}", type=kind)
-    for switch in ("group-query-attention", "swiglu", "disable-bias-linear", "add-qkv-bias", "qk-layernorm",
-                   "untie-embeddings-and-output-weights", "use-rotary-position-embeddings", "sequence-parallel",
-                   "use-distributed-optimizer", "use-flash-attn", "bf16", "fp16", "multi-latent-attention",
-                   "account-for-embedding-in-pipeline-split", "account-for-loss-in-pipeline-split"):
-        parser.add_argument(f"--{switch}", action="store_true")
-    for name in ("q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim", "mtp-num-layers",
-                 "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers"):
-        parser.add_argument(f"--{name}", type=int)
-    add_moe_model_arguments(parser)
-    for name, default in (("tensor-model-parallel-size", 1), ("pipeline-model-parallel-size", 1),
-                          ("context-parallel-size", 1), ("micro-batch-size", 1), ("expert-model-parallel-size", 1)):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--expert-tensor-parallel-size", type=int)
-    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
-    parser.add_argument("--global-batch-size", type=int)
-    parser.add_argument("--hidden-dropout", type=float, default=0.1)
-    parser.add_argument("--attention-dropout", type=float, default=0.1)
-    parser.add_argument("--recompute-granularity", choices=["full", "selective"])
-    parser.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
-    parser.add_argument("--recompute-num-layers", type=int, default=1)
-    parser.add_argument("--recompute-modules", nargs="+")
-    return parser
+def _world_size(argv: list[str]) -> tuple[int, list[str]]:
+    """(devices in all, ``argv`` without ``--world-size N``): the plan's own flag, else NNODES x NPROC_PER_NODE
+    from the environment, as the launchers set them."""
+    words, world = list(argv), None
+    if "--world-size" in words:
+        at = words.index("--world-size")
+        value = words[at + 1] if at + 1 < len(words) else ""
+        _check(value.isdigit() and int(value) > 0, f"--world-size {value!r}: must be a positive integer")
+        world, words = int(value), words[:at] + words[at + 2:]
+    if world is None:
+        _check("NPROC_PER_NODE" in os.environ, "no world size: pass --world-size N or set NPROC_PER_NODE (and NNODES)")
+        try:
+            world = int(os.environ.get("NNODES", "1")) * int(os.environ["NPROC_PER_NODE"])
+        except ValueError as exc:
+            raise PlanError(f"NNODES and NPROC_PER_NODE must be integers ({exc})") from exc
+    return world, words
 
 
-def _world_size(args: argparse.Namespace) -> int:
-    if args.world_size is not None:
-        return args.world_size
-    _check("NPROC_PER_NODE" in os.environ, "no world size: pass --world-size N or set NPROC_PER_NODE (and NNODES)")
+def megatron_args(argv: list[str], world: int) -> argparse.Namespace:
+    """``argv`` as ``scripts/pretrain_gpt.py`` reads it (``flow.pretrain.run``): ``--model NAME`` expanded into
+    Megatron-LM's flags, parsed and validated by megatron.training's own parser for ``world`` ranks, without
+    a process group. megatron's prints and warnings go nowhere (the table is the output; the run says them)
+    and its environment settings (CUDA_DEVICE_MAX_CONNECTIONS) are undone."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _parsed(argv, world)
+
+
+def _parsed(argv: list[str], world: int) -> argparse.Namespace:
+    from megatron.training.arguments import parse_args, validate_args
+
+    from flow.pretrain import ARGS_DEFAULTS
+
+    words, saved_argv, saved_env = model_flags.expand(argv, describe=described), sys.argv, dict(os.environ)
+    sys.argv, said = [sys.argv[0], *words], io.StringIO()
     try:
-        return int(os.environ.get("NNODES", "1")) * int(os.environ["NPROC_PER_NODE"])
-    except ValueError as exc:
-        raise PlanError(f"NNODES and NPROC_PER_NODE must be integers ({exc})") from exc
+        with contextlib.redirect_stderr(said):
+            args = parse_args()
+        args.world_size, args.rank = world, 0
+        with contextlib.redirect_stdout(io.StringIO()):
+            validate_args(args, ARGS_DEFAULTS)
+    except SystemExit:  # argparse's usage and error: its error line
+        raise PlanError(said.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]) from None
+    finally:
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return args
+
+
+def _vocabulary(args: argparse.Namespace) -> int:
+    """The embedding's rows: ``--padded-vocab-size`` (a named model's own), else the tokenizer's vocabulary
+    padded as megatron pads it, from the tokenizer megatron builds."""
+    if args.padded_vocab_size is None:
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                build_tokenizer(args)
+        except Exception as exc:  # noqa: BLE001 - whatever stops the tokenizer's build, the plan says it in a line
+            raise PlanError(f"--tokenizer-type {args.tokenizer_type} does not build here "
+                            f"({type(exc).__name__}: {' '.join(str(exc).split())}): pass --padded-vocab-size N, "
+                            "the embedding's rows") from None
+    return args.padded_vocab_size
+
+
+def _model(argv: list[str], args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig of megatron's arguments: the named model's (its hybrid layers and YaRN settings, which no
+    Megatron-LM flag says, included) with every architecture argument megatron parsed over it."""
+    from models.provider import config_from_args
+
+    values = vars(args) | {"model": model_flags.name(argv), "padded_vocab_size": _vocabulary(args),
+                           "vocab_size": None}
+    if isinstance(args.moe_layer_freq, list):
+        values["moe_layer_freq"] = tuple(args.moe_layer_freq)
+    return config_from_args(argparse.Namespace(**values))
 
 
 def plan_from_args(argv: list[str]) -> tuple[MemoryPlan, str]:
-    """The plan for a Megatron-LM argument list, and the model's name for the table."""
-    args, _ = _parser().parse_known_args(argv)
-    _check(args.model is not None or args.num_layers is not None,
-           "no model: pass --model NAME or the architecture arguments (--num-layers, --hidden-size, ...)")
-    _check(not (args.bf16 and args.fp16), "--bf16 and --fp16 together: choose one")
-    if args.use_rotary_position_embeddings and args.position_embedding_type is None:
-        args.position_embedding_type = "rope"
-    with warnings.catch_warnings():  # megatron's import warns about apex and TE, which a plan does not use
-        warnings.simplefilter("ignore")
-        from models.provider import config_from_args
-    model = config_from_args(args)
+    """The plan for ``scripts/pretrain_gpt.py``'s argument list (and ``--world-size N``), and the model's name for
+    the table. The layout is checked against the model and the world before megatron's checks, which would
+    refuse the same layouts with less to go on."""
+    world, argv = _world_size(argv)
+    args = megatron_args(argv, world)
+    model = _model(argv, args)
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
-    world = _world_size(args)
     split = PipelineSplit(first=args.decoder_first_pipeline_num_layers, last=args.decoder_last_pipeline_num_layers,
                           embedding=args.account_for_embedding_in_pipeline_split,
                           loss=args.account_for_loss_in_pipeline_split)
-    vpp = None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        per_stage, per_chunk = model.num_layers // pp, args.num_layers_per_virtual_pipeline_stage
-        _check(per_chunk >= 1 and model.num_layers % pp == 0 and per_stage % per_chunk == 0,
-               f"{model.num_layers} layers over PP {pp} cannot be cut into virtual stages of {per_chunk} layers: "
-               "choose a --num-layers-per-virtual-pipeline-stage dividing num_layers / PP")
-        vpp = per_stage // per_chunk
+    vpp = args.virtual_pipeline_model_parallel_size
     dp = _check_layout(world, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, model=model, split=split)
     params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     result = plan(model, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, etp=etp, micro_batch_size=args.micro_batch_size,
-                  global_batch_size=args.global_batch_size or args.micro_batch_size * dp,
-                  seq_length=model.seq_length, params_dtype=params_dtype,
+                  global_batch_size=args.global_batch_size, seq_length=args.seq_length, params_dtype=params_dtype,
                   distributed_optimizer=args.use_distributed_optimizer, sequence_parallel=args.sequence_parallel,
-                  recompute=args.recompute_granularity, recompute_method=args.recompute_method,
-                  recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules,
-                  split=split,
-                  # the pretrain flow reduces 16-bit models' grads in fp32 (Megatron-LM does for bf16)
-                  grad_reduce_in_fp32=True, flash_attention=args.use_flash_attn,
+                  recompute=args.recompute_granularity, recompute_method=args.recompute_method or "uniform",
+                  recompute_num_layers=args.recompute_num_layers or 1,
+                  recompute_modules=tuple(args.recompute_modules or ()), split=split,
+                  grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32, flash_attention=args.use_flash_attn,
                   hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout)
-    return result, args.model or "model"
+    return result, model_flags.name(argv) or "model"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m flow.memory_plan [--world-size N] ARGS``: the table, or one line and exit 2 for a layout or
+    argument megatron would refuse."""
     try:
         result, name = plan_from_args(sys.argv[1:] if argv is None else argv)
-    except (PlanError, ModelConfigError) as exc:
+    except (PlanError, ModelConfigError, RefusedSetting) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(result.table(name))
