@@ -18,11 +18,12 @@ from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.rerun_state_machine import get_rerun_state_machine
-from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_tokenizer
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from adapter import device
+from flow import releases
 
 _BATCH = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 # GPTDatasetConfig fields whose megatron.training argument has another name; the rest share theirs
@@ -66,25 +67,16 @@ def get_batch(data_iterator, vp_stage=None):
     tensor-parallel rank (rank 0 reads, megatron broadcasts), this context-parallel rank's part of it."""
     if not is_first_or_last_pipeline_stage(vp_stage):
         return (None,) * len(_BATCH)
-    args = get_args()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    batch = {}
-    if tp_rank == 0:
-        here = device.torch_device()
-        batch = {key: value.to(here, non_blocking=True) if torch.is_tensor(value) else value
-                 for key, value in next(data_iterator).items()}
-    batch = get_batch_on_this_tp_rank(
-        batch, has_cu_seqlens=False, is_hybrid_cp=False,
-        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
-        broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
-        broadcast_group=parallel_state.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
-        tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        is_pipeline_first_stage=parallel_state.is_pipeline_first_stage(),
-        is_pipeline_last_stage=parallel_state.is_pipeline_last_stage())
-    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
-                                      cp_group=parallel_state.get_context_parallel_group())
+    batch = releases.batch_on_this_tp_rank(data_iterator, get_args(), _read)
+    batch = releases.batch_on_this_cp_rank(batch)
     return tuple(batch.get(key) for key in _BATCH)
+
+
+def _read(data_iterator) -> dict:
+    """The next micro-batch, its tensors on this rank's device."""
+    here = device.torch_device()
+    return {key: value.to(here, non_blocking=True) if torch.is_tensor(value) else value
+            for key, value in next(data_iterator).items()}
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
