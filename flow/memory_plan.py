@@ -644,7 +644,7 @@ def megatron_args(argv: list[str], world: int) -> argparse.Namespace:
 def _parsed(argv: list[str], world: int) -> argparse.Namespace:
     from megatron.training.arguments import parse_args, validate_args
 
-    from flow.pretrain import ARGS_DEFAULTS
+    from flow.releases import ARGS_DEFAULTS
 
     words, saved_argv, saved_env = model_flags.expand(argv, describe=described), sys.argv, dict(os.environ)
     sys.argv, said = [sys.argv[0], *words], io.StringIO()

@@ -18,10 +18,11 @@ from adapter.cuda_only_features import RefusedSetting
 from tests.distributed import launch_script
 
 BASE = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-3", "--mock-data",
-        "--eval-interval", "1", "--eval-iters", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
-TINY = ["--model", "qwen2.5-tiny", *BASE]  # 4 layers, 4 heads in 2 query groups, attention dropout 0.1
+        "--eval-interval", "1", "--eval-iters", "1"]
+TINY = ["--model", "qwen2.5-tiny", *BASE]  # 4 layers, 4 heads in 2 query groups, attention dropout 0.1; its vocabulary
 BARE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
-        "--seq-length", "32", "--max-position-embeddings", "64", *BASE]
+        "--seq-length", "32", "--max-position-embeddings", "64", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+        "1000", *BASE]
 MOE = ["--model", "qwen3-moe-tiny", *BASE]  # 8 experts, top-2
 CP = [*TINY, "--context-parallel-size", "2", "--attention-dropout", "0"]
 
@@ -91,6 +92,9 @@ REFUSED = [
     ([*MOE, "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 2,
      "--moe-router-group-topk 1, --moe-router-num-groups 3: num_moe_experts (8) should be divisible by"),
     ([*TINY, "--no-such-flag"], 2, "unrecognized arguments: --no-such-flag (--help lists the flags)"),
+    # a tokenizer larger than the named model's embedding (--model sets --padded-vocab-size to its rows)
+    ([*TINY, "--vocab-size", "100000"], 2, "--padded-vocab-size 512: the tokenizer (NullTokenizer) has 100000 "
+                                            "entries, more than the embedding's 512 rows"),
 ]
 
 
@@ -114,12 +118,12 @@ def parse_as_the_flow(monkeypatch, argv: list[str], world: int):
     from megatron.training.argument_utils import gpt_config_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from flow import model_flags, pretrain
+    from flow import model_flags, releases
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *model_flags.expand(argv)])
-    args = parse_and_validate_args(args_defaults=pretrain.ARGS_DEFAULTS)
+    args = parse_and_validate_args(args_defaults=releases.ARGS_DEFAULTS)
     return args, gpt_config_from_args(args)
 
 
@@ -133,7 +137,7 @@ def test_each_refusal_is_one_line_naming_the_value(monkeypatch, capsys, argv, wo
 
 # what the old loop refused and megatron.training takes: it trains on them (2-rank runs), or, without a
 # checkpoint directory, a time limit (0 is none), error injection or --exit-signal-handler, does nothing with them
-TAKEN = [["--vocab-size", "100000"], ["--save-interval", "5"], ["--exit-duration-in-mins", "0"],
+TAKEN = [["--save-interval", "5"], ["--exit-duration-in-mins", "0"],
          ["--error-injection-rate", "-1"], ["--exit-signal", "SIGKILL"], ["--log-params-norm"]]
 
 

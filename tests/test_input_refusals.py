@@ -80,7 +80,7 @@ def test_a_megatron_tokenizer_without_its_files_is_one_line_not_a_download(monke
     a ModuleNotFoundError; offline, a hang): refused in validate_args naming the flags."""
     from megatron.training.arguments import parse_args, validate_args
 
-    from flow.pretrain import ARGS_DEFAULTS
+    from flow.releases import ARGS_DEFAULTS
 
     untokenized = [word for word in TINY if word not in ("--tokenizer-type", "NullTokenizer", "--vocab-size", "256")]
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *untokenized, *tokenizer])
