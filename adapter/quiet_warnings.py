@@ -74,6 +74,14 @@ TABLE = (
         "megatron's tensor-parallel linear layers ask for one CUDA hardware queue, so that their communication "
         "overlaps computation in order; the variable is the CUDA driver's and means nothing to a CPU or an NPU",
         where="except on CUDA rank 0"),
+    Row("ignore", r"Only transformer-engine>=1\.7\.0 supports MoE experts, but your version is 0\.0\.0\.", UserWarning,
+        r"megatron\.core\.extensions\.transformer_engine_spec_provider",
+        "megatron.training's spec asks for grouped experts, dense models included, on every rank; 0.0.0 is what "
+        "megatron reads where Transformer Engine is not installed at all (it runs the local experts, as it says; an "
+        "installed TE older than 1.7 still shows)"),
+    Row("ignore", r"'pin_memory' argument is set as true but no accelerator is found", UserWarning,
+        r"torch\.utils\.data\.dataloader", "megatron.training's data loaders pin host memory for the copy to a "
+        "GPU; a machine with no accelerator (the cpu backend) has no such copy to speed up"),
 )
 
 LOGGED = (

@@ -7,8 +7,9 @@ Two kinds of run, interleaved round by round (the order alternating, so drift on
   modules every pretraining program on it needs (the GPT model, the optimizer, DDP, the pipeline
   schedules, the GPT datasets) and exits;
 - ``flow``: ``torchrun --nproc_per_node 1 scripts/pretrain_gpt.py`` training a tiny model one iteration on
-  mock data (no evaluation, no save) and exiting; it prints its own phases (imports, initialize, model and
-  optimizer, data, first iteration), which are collected too.
+  mock data (no evaluation, no save) and exiting; its start-up line (patches/startup_clock.py, on
+  megatron.training's start-up timestamps: imports, setup, initialize, model and data, first iteration) is
+  collected too.
 
 Both are wall clock from before the launcher starts to its exit, so the flow's figure is its start-up plus
 its teardown. ``--cold`` gives every flow run a new, empty torch.compile cache (TORCHINDUCTOR_CACHE_DIR):
@@ -54,7 +55,8 @@ def flow_argv(model: str, device: str) -> list[str]:
     precision = ["--bf16"] if device == "cuda" else []
     return ["scripts/pretrain_gpt.py", "--model", model, "--micro-batch-size", "2", "--global-batch-size", "2",
             "--seq-length", "64", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--eval-iters", "0",
-            "--eval-interval", "1000", "--log-interval", "1", *precision]
+            "--eval-interval", "1000", "--log-interval", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            "1000", *precision]
 
 
 def measure(args) -> dict:

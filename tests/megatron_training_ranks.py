@@ -108,3 +108,30 @@ def nonfinite_step(save: str) -> dict:
                                      None, None, _losses(losses), iteration=2)
         outcomes[case] = (list(result[2:5]), nonfinite._line[0])
     return outcomes
+
+
+def exit_signal_stop(save: str) -> dict:
+    """megatron.training's own ``checkpoint_and_decide_exit`` (wrapped: patches/early_exit.py) after iteration 5,
+    its checkpoint writer stubbed: with nothing received, then after SIGTERM reached the process, with and
+    without --save. Per case: (stops, the iterations megatron saved, what the process printed)."""
+    import contextlib
+    import io
+    import signal
+
+    from megatron.training import global_vars, training
+
+    args = megatron_args(["--exit-signal-handler", "--save", save, "--save-interval", "1000"])
+    global_vars._set_timers(args)
+    global_vars._set_signal_handler(args.exit_signal)
+    torch.distributed.init_process_group("gloo")
+    outcomes = {}
+    for case in ("nothing received", "SIGTERM", "SIGTERM without --save"):
+        args.save = None if case.endswith("without --save") else save
+        if case.startswith("SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        saved, printed = [], io.StringIO()
+        with (mock.patch.object(training, "save_checkpoint_and_time", lambda i, *a, **k: saved.append(i)),
+              contextlib.redirect_stdout(printed)):
+            stops = training.checkpoint_and_decide_exit(None, None, None, 5, 0.0, {}, None)
+        outcomes[case] = (stops, saved, [line for line in printed.getvalue().splitlines() if "[adapter]" in line])
+    return outcomes

@@ -3,6 +3,8 @@ megatron.training in its wheel, so what a user of the wheel meets is tested agai
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -72,3 +74,52 @@ def test_megatron_training_train_step_stops_on_a_nan_loss_in_one_line_and_never_
     assert decision == [False, True, 17]
     assert line == (f"{found}a re-run of the step gave another result: a transient fault. Nothing was saved after "
                     f"iteration 2: resume from the last checkpoint")
+
+
+@pytest.mark.multiproc
+def test_megatron_training_exit_signal_stop_says_the_iteration_and_where_it_is_saved(tmp_path):
+    """megatron.training's ``--exit-signal-handler``: with SIGTERM received, ``checkpoint_and_decide_exit``
+    saves the iteration (when --save is given) and stops the run; the adapter's line says so, as the old flow
+    did (tests/test_resilience.py runs it end to end through scripts/launch.py)."""
+    from tests.distributed import run_ranks
+    from tests.megatron_training_ranks import exit_signal_stop
+
+    pytest.importorskip("megatron.training.training", reason="megatron.training ships in the wheel from 0.17")
+    [outcomes] = run_ranks(1, exit_signal_stop, str(tmp_path), env={"ADAPTER_BACKEND": "cpu"}, timeout=120)
+    assert outcomes == {
+        "nothing received": (False, [], []),
+        "SIGTERM": (True, [5], [f"[adapter] stopped after iteration 5: SIGTERM received; saved in {tmp_path}, "
+                                "resume with --load"]),
+        "SIGTERM without --save": (True, [], ["[adapter] stopped after iteration 5: SIGTERM received; not saved: "
+                                              "no --save"])}
+
+
+def test_the_start_up_line_builds_on_megatrons_timestamps_once_and_bench_startup_parses_it(monkeypatch, capsys):
+    """After a process's first ``train_step`` (patches/startup_clock.py): the time from the process's start,
+    in the phases megatron.training's ``set_startup_timestamps`` and ``pretrain`` marked; said once, by the last
+    rank; the line is the one bench/startup.py reads."""
+    training = pytest.importorskip("megatron.training.training", reason="megatron.training ships in the wheel "
+                                                                        "from 0.17")
+    from adapter import startup_clock
+    from bench.startup import PHASES
+    from patches import startup_clock as patch
+
+    start = startup_clock.process_start()
+    monkeypatch.setattr(training, "_STARTUP_TIMESTAMPS", {"program_start": start + 0.5, "main_entry": start + 2,
+                                                          "pretrain_entry": start + 3})
+    assert patch._phases(start + 10, start + 12) == pytest.approx(
+        {"imports": 2, "setup": 1, "initialize, model and data": 7, "first iteration": 2})
+    monkeypatch.setattr(training, "_STARTUP_TIMESTAMPS", {"program_start": None, "main_entry": None,
+                                                          "pretrain_entry": start + 3})  # no entry script's stamps
+    assert patch._phases(start + 10, start + 12) == pytest.approx(
+        {"setup": 3, "initialize, model and data": 7, "first iteration": 2})
+    monkeypatch.setattr(patch, "_said", [])
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    step = patch.said_after_first(lambda *args: "result")
+    assert [step(), step()] == ["result", "result"]
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[adapter] time from launch to the end of the first iteration: ")
+    found = PHASES.search(lines[0])
+    assert found and found.group(2).startswith("setup 3.0 s, initialize, model and data ")
+    assert float(found.group(1)) == pytest.approx(time.time() - start, abs=0.2)

@@ -1,4 +1,6 @@
-"""Preemption and non-finite steps (adapter/training/preemption.py, adapter/training/nonfinite.py) on gloo ranks.
+"""Preemption and non-finite steps on gloo ranks: megatron.training's --exit-signal-handler through
+scripts/pretrain_gpt.py (patches/early_exit.py), the own loop's --exit-duration-in-mins
+(adapter/training/preemption.py), non-finite steps.
 
 Preemption: SIGTERM to the launcher only, or to every process of the job as a scheduler sends it; every rank
 finishes its iteration, the flow saves it, the job exits 0 (scripts/launch.py; plain torchrun exits 1), and the
@@ -9,6 +11,7 @@ value, after megatron's rerun state machine re-ran the step, and nothing is save
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,12 +45,39 @@ def _saved(directory) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
+def _flow_argv(*extra: str) -> list[str]:
+    """``_argv`` for scripts/pretrain_gpt.py, megatron.training's pretrain: the evaluation interval and the
+    tokenizer it asks for, a save interval where it saves."""
+    return _argv("--eval-interval", "1000", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", *extra)
+
+
+def _flow_losses(argv: list[str]) -> dict[int, float]:
+    """scripts/pretrain_gpt.py on 2 ranks, which must exit 0: iteration -> the loss megatron's log printed."""
+    ranks = launch_script("scripts/pretrain_gpt.py", argv)
+    output = "".join(output for _, output in ranks)
+    assert [status for status, _ in ranks] == [0, 0], output[-4000:]
+    return {int(i): float(loss) for i, loss in re.findall(r" iteration +(\d+)/ *\d+ \|.*?\| lm loss: (\S+) \|",
+                                                           output)}
+
+
+@pytest.fixture(scope="module")
+def flow_reference() -> dict[int, float]:
+    """scripts/pretrain_gpt.py's uninterrupted curve, iterations 1-24."""
+    return _flow_losses(_flow_argv("--exit-interval", "24"))
+
+
+# megatron.training's first torch_dist save takes tens of seconds on a loaded 2-core machine, past torchrun's
+# 30-s default: the launcher's shutdown timeout gives it 120, and the test still asserts nothing was SIGKILLed
+SHUTDOWN = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}
+
+
 def _preempted(save, to_group: bool, launcher: list[str]) -> tuple[int, str, int]:
     """``launcher`` (torchrun's arguments) with 2 workers, SIGTERM once iteration 3 is logged: to the launcher
     only, or to its whole process group. Returns the launcher's exit status, everything printed and its pid."""
     command = [sys.executable, *launcher, "--nproc-per-node", "2", "--master-port", str(free_port()),
-               "scripts/pretrain_gpt.py", *_argv("--exit-signal-handler", "--save", str(save))]
-    launcher = subprocess.Popen(command, cwd=ROOT, env=_base_env(None), stdout=subprocess.PIPE,
+               "scripts/pretrain_gpt.py", *_flow_argv("--exit-signal-handler", "--save", str(save),
+                                                      "--save-interval", "1000")]
+    launcher = subprocess.Popen(command, cwd=ROOT, env=_base_env(SHUTDOWN), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     printed = []
     for line in launcher.stdout:
@@ -67,21 +97,26 @@ def _stopped_at(output: str, save) -> int:
     assert stopped[0].endswith(f"{iteration}: SIGTERM received; saved in {save}, resume with --load")
     assert 3 <= iteration <= 12, output[-4000:]
     assert _saved(save) == [checkpoint_dir.checkpoint_name(iteration), checkpoint_dir.TRACKER]
-    # the workers ended within the launcher's --shutdown-timeout (30 s), no SIGKILL
+    # the workers ended within the launcher's --shutdown-timeout, no SIGKILL
     assert "forcefully exiting via" not in output, output[-4000:]
     return iteration
 
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["to the launcher only", "to every process"])
 def test_sigterm_saves_the_iteration_every_rank_finished_the_job_exits_0_and_the_next_launch_resumes_exactly(
-        reference, tmp_path, to_group):
+        flow_reference, tmp_path, to_group):
+    """megatron.training's --exit-signal-handler, with the adapter's line (patches/early_exit.py)."""
     status, output, _ = _preempted(tmp_path / "saved", to_group, ["scripts/launch.py"])
     iteration = _stopped_at(output, tmp_path / "saved")
     assert status == 0 and "Traceback" not in output, output[-4000:]
     assert "[launch] SIGTERM: every worker saved and exited 0" in output
-    resumed = logged_losses(run_ranks(2, run_pretrain, _argv("--load", str(tmp_path / "saved"), "--exit-interval",
-                                                             str(iteration + 3))))
-    assert resumed == {i: reference[i] for i in range(iteration + 1, iteration + 4)}
+    resumed = _flow_losses(_flow_argv("--load", str(tmp_path / "saved"), "--exit-interval", str(iteration + 3)))
+    # megatron.training's log line for the second iteration after a --load (0.19.2) shows the mean of the first
+    # two iterations' losses (resumed at 5: 6.627220 = (6.653440 + 6.601000) / 2, the same gradient norm)
+    first, second, third = (flow_reference[i] for i in range(iteration + 1, iteration + 4))
+    assert sorted(resumed) == [iteration + 1, iteration + 2, iteration + 3]
+    assert [resumed[iteration + 1], resumed[iteration + 3]] == [first, third]
+    assert resumed[iteration + 2] == pytest.approx((first + second) / 2, abs=2e-6)
 
 
 def test_plain_torchrun_saves_as_well_but_exits_1(tmp_path):

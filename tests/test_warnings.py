@@ -3,6 +3,7 @@ and a user who sets warning filters, or ADAPTER_SHOW_ALL_WARNINGS=1, sees everyt
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -65,15 +66,24 @@ def test_the_kernel_summary_names_the_backend_provider_each_op_and_the_optimizer
 
 
 # What every rank of the README's tiny run (TP 2 with sequence parallelism, the distributed optimizer, a save)
-# printed on megatron-core 0.19 that does not apply to it: torch's notice where there is a CUDA toolkit and no
-# GPU, megatron's hint for CUDA's queues, and notices about code the run does not use.
+# printed on megatron-core 0.19 that does not apply to it: torch's notices where there is a CUDA toolkit and no
+# GPU or no accelerator at all, megatron's hint for CUDA's queues, its Transformer Engine version where there
+# is none, and notices about code the run does not use.
 NOT_APPLYING = ("MimoModelConfig is experimental and still under active development",
                 "When using sequence parallelism it is recommended to set the environment variable "
                 "CUDA_DEVICE_MAX_CONNECTIONS to 1",
                 "MCore's async save is deprecated",
                 "DistributedDataParallel: full_param_layout not provided",
                 "RerunStateMachine initialized in mode", "Result validation enabled",
+                "Only transformer-engine>=1.7.0 supports MoE experts, but your version is 0.0.0",
+                "'pin_memory' argument is set as true but no accelerator is found",
                 "No CUDA runtime is found, using CUDA_HOME=")
+# said only where Transformer Engine is absent, or where there is no GPU; two never by megatron.training's
+# pretrain (scripts/pretrain_gpt.py): off CUDA the adapter's validate_args wrap sets CUDA_DEVICE_MAX_CONNECTIONS
+# to 1, and megatron.training gives its DDP the parameter layout (their rows stay for the own loop)
+NOT_EVERYWHERE = {NOT_APPLYING[-3]: importlib.util.find_spec("transformer_engine") is None,
+                  NOT_APPLYING[-2]: not torch.cuda.is_available(), NOT_APPLYING[-1]: not torch.cuda.is_available(),
+                  NOT_APPLYING[1]: False, NOT_APPLYING[3]: False}
 SINCE_0_19 = Version(installed_megatron_core_version()) >= Version("0.19")
 
 
@@ -86,14 +96,15 @@ def test_the_tiny_run_says_nothing_that_does_not_apply_unless_asked_for_everythi
     filters, not an absent cause, keep them out."""
     argv = ["--model", "qwen2.5-tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",
             "--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length",
-            "32", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--eval-iters", "0", "--save"]
+            "32", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--eval-iters", "0", "--eval-interval", "1000",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--save-interval", "1", "--save"]
     env = {"ADAPTER_BACKEND": "cpu", "CUDA_HOME": str(tmp_path)}
     quiet = launch_script("scripts/pretrain_gpt.py", [*argv, tmp_path / "quiet"], env=env)
     assert [status for status, _ in quiet] == [0, 0], quiet[0][1][-3000:]
     assert [[m for m in NOT_APPLYING if m in output] for _, output in quiet] == [[], []]
     everything = launch_script("scripts/pretrain_gpt.py", [*argv, tmp_path / "all"], env={**env, SHOW_ALL_ENV: "1"})
     output = "".join(output for _, output in everything)
-    due = NOT_APPLYING if not torch.cuda.is_available() else NOT_APPLYING[:-1]
+    due = [m for m in NOT_APPLYING if NOT_EVERYWHERE.get(m, True)]
     assert [m for m in due if m not in output] == [], output[-3000:]
 
 

@@ -33,7 +33,7 @@ from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 import adapter
-from adapter import liveness
+from adapter import early_exit, liveness
 from adapter.kernels import cuda_provider
 from adapter.training import checkpointing, global_vars, nonfinite, offloading
 from adapter.training.manual_gc import ManualGC
@@ -362,8 +362,7 @@ def _say_stopped(iteration: int, reason: str, save: str | None) -> None:
     """Rank 0's line for a run that left early (``Preemption``); the test evaluation is skipped, as in
     Megatron-LM: the time left is the scheduler's."""
     if torch.distributed.get_rank() == 0:
-        where = f"saved in {save}, resume with --load" if save else "not saved: no --save"
-        print(f"[adapter] stopped after iteration {iteration}: {reason}; {where}", flush=True)
+        print(early_exit.stopped_line(iteration, reason, save), flush=True)
 
 
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,

@@ -22,7 +22,7 @@ from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from adapter import device
+from adapter import device, startup_clock
 from models.config import FULL_ATTENTION
 
 
@@ -152,9 +152,7 @@ class StartupClock:
     The time a launcher takes before it starts this process (torchrun's own imports) is not counted."""
 
     def __init__(self):
-        import psutil
-
-        self._last = psutil.Process().create_time()
+        self._last = startup_clock.process_start()
         self._phases = {"imports": time.time() - self._last}
         self._last += self._phases["imports"]
 
@@ -168,8 +166,7 @@ class StartupClock:
         return {**self._phases, "total": sum(self._phases.values())}
 
     def line(self) -> str:
-        parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._phases.items())
-        return f" time from launch to the end of the first iteration: {sum(self._phases.values()):.1f} s ({parts})"
+        return f" {startup_clock.line(self._phases)}"
 
 
 def memory_summary() -> str:
