@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import models
 from adapter.input_refusals import InputRefused
-from models.config import ModelConfigError
-from models.megatron_lm_args import flags
+from models.config import HYBRID_FIELDS, ModelConfig, ModelConfigError
+from models.hybrid import layer_pattern
+from models.megatron_lm_args import described, flags
 
 
 def name(argv: list[str]) -> str | None:
@@ -20,7 +21,21 @@ def name(argv: list[str]) -> str | None:
     return _split(argv)[0]
 
 
-def expand(argv: list[str], describe=flags) -> list[str]:
+def flow_flags(config: ModelConfig) -> list[str]:
+    """The flags ``scripts/pretrain_gpt.py`` trains ``config`` on: Megatron-LM's, or one line for what they
+    cannot say; a hybrid model's with megatron's layer pattern and Gated DeltaNet sizes (``flow.hybrid``
+    builds it: Megatron-LM's own pretrain_gpt.py cannot, which is why ``flags`` refuses it). The pattern gives
+    megatron its layer count, two per model layer, in place of ``--num-layers``."""
+    if config.layer_types is None:
+        return flags(config)
+    words = described(config)
+    at = words.index("--num-layers")
+    del words[at:at + 2]
+    sizes = [word for field in HYBRID_FIELDS for word in (f"--{field.replace('_', '-')}", str(getattr(config, field)))]
+    return [*words, "--hybrid-layer-pattern", layer_pattern(config), *sizes]
+
+
+def expand(argv: list[str], describe=flow_flags) -> list[str]:
     """``argv`` with ``--model NAME`` (or ``--model=NAME``) replaced by NAME's Megatron-LM flags (``describe``'s),
     put first."""
     named, rest = _split(argv)

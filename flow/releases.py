@@ -24,9 +24,10 @@ RELEASE = Version(__version__).release[:2]
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 
-def pretrain_gpt(datasets_provider, forward_step) -> None:
+def pretrain_gpt(datasets_provider, forward_step, model_inputs=None) -> None:
     """megatron.training's ``pretrain`` on ``sys.argv`` as Megatron-LM's ``pretrain_gpt.py`` of the installed
-    release calls it, with the GPT model Megatron-LM's script builds at that release."""
+    release calls it, with the GPT model Megatron-LM's script builds at that release; ``model_inputs(args)``,
+    (the config container, a model provider) for a model megatron's GPT builder does not build (0.18+)."""
     from megatron.training import pretrain
 
     from flow import gpt_model
@@ -39,14 +40,18 @@ def pretrain_gpt(datasets_provider, forward_step) -> None:
     from megatron.training.arguments import parse_and_validate_args
 
     args = parse_and_validate_args(args_defaults=ARGS_DEFAULTS)
-    if RELEASE < (0, 19):
-        pretrain(pretrain_cfg_container_from_args(args), datasets_provider, gpt_model.model_provider, model_type,
-                 forward_step)
-        return
-    from megatron.training.argument_utils import gpt_config_from_args
+    if model_inputs is not None:
+        container, provider = model_inputs(args)
+    elif RELEASE < (0, 19):
+        container, provider = pretrain_cfg_container_from_args(args), gpt_model.model_provider
+    else:
+        from megatron.training.argument_utils import gpt_config_from_args
 
-    pretrain(pretrain_cfg_container_from_args(args, gpt_config_from_args(args)), datasets_provider, model_type,
-             forward_step)
+        container, provider = pretrain_cfg_container_from_args(args, gpt_config_from_args(args)), None
+    if RELEASE < (0, 19):
+        pretrain(container, datasets_provider, provider, model_type, forward_step)
+    else:
+        pretrain(container, datasets_provider, model_type, forward_step, model_provider=provider)
 
 
 def batch_on_this_tp_rank(data_iterator, args, read) -> dict:

@@ -140,8 +140,9 @@ def _flow_argv(model: str, *extra: str) -> list[str]:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3.5-moe-tiny"])
 def test_the_flow_trains_a_hybrid_model_and_resumes_it_bit_exactly(name, tmp_path):
-    """scripts/pretrain_gpt.py's flow with --model qwen3.5-...: six iterations saved at 3, the loss falling,
-    then the run resumed from 3 gives iterations 4-6 bit for bit (the MoE flavour logs its experts' load)."""
+    """The project's own loop (adapter/training, kept for the benches) with --model qwen3.5-...: six iterations
+    saved at 3, the loss falling, then the run resumed from 3 gives iterations 4-6 bit for bit (the MoE flavour
+    logs its experts' load)."""
     from tests.distributed import run_ranks
     from tests.pretrain_ranks import logged_losses, run_pretrain, stopped_at
 
@@ -155,6 +156,55 @@ def test_the_flow_trains_a_hybrid_model_and_resumes_it_bit_exactly(name, tmp_pat
     resumed = logged_losses(run_ranks(1, run_pretrain, _flow_argv(name, "--load", str(at3))))
     assert resumed == {i: curve[i] for i in range(4, 7)}
 
+
+
+# scripts/pretrain_gpt.py (megatron.training's own pretrain, flow/hybrid.py's builder) on two ranks
+SCRIPT_LAYOUTS = {"qwen3.5-tiny": ["--tensor-model-parallel-size", "2"],
+                  "qwen3-next-tiny": ["--expert-model-parallel-size", "2"]}
+
+
+def _script_losses(tmp_path, name: str, run: str, *extra: str) -> tuple[dict[int, float], str]:
+    """(iteration -> the float32 training loss megatron wrote to TensorBoard, rank 0's output) of
+    scripts/pretrain_gpt.py on ``name``'s SCRIPT_LAYOUTS; the test fails with the log's tail otherwise."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.distributed import launch_script
+
+    events = tmp_path / run
+    argv = [*_flow_argv(name, *SCRIPT_LAYOUTS[name], *extra), "--tensorboard-dir", str(events),
+            "--data-cache-path", str(tmp_path / "cache")]
+    outputs = launch_script("scripts/pretrain_gpt.py", argv, env={"ADAPTER_BACKEND": "cpu"})
+    assert all(status == 0 for status, _ in outputs), outputs[-1][1][-6000:]
+    accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {e.step: e.value for e in accumulator.Scalars("lm loss")}, outputs[0][1]
+
+
+@needs_hybrid
+@needs_qwen35
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(SCRIPT_LAYOUTS))
+def test_the_script_trains_a_hybrid_model_resumes_it_bit_exactly_and_converts_it(name, tmp_path):
+    """scripts/pretrain_gpt.py --model NAME (TP 2, or EP 2 for the MoE one): six iterations saved at 3, the
+    loss falling; resumed from 3, iterations 4-6 to the bit; the last checkpoint converts to a Hugging Face
+    model that gives the logits megatron gives on it."""
+    from models.conversion import mcore_to_hf
+    from tests.conversion_ranks import hf_logits_of, megatron_logits_from
+    from tests.distributed import run_ranks
+    from tests.pretrain_ranks import stopped_at
+
+    saved = tmp_path / "saved"
+    curve, _ = _script_losses(tmp_path, name, "first", "--save", str(saved), "--save-interval", "3")
+    assert sorted(curve) == list(range(1, 7)) and curve[6] < curve[1] - 0.3, curve
+    at3 = stopped_at(saved, 3, tmp_path / "at3")
+    resumed, printed = _script_losses(tmp_path, name, "resumed", "--load", str(at3))
+    assert f"successfully loaded checkpoint from {at3}" in printed
+    assert resumed == {i: curve[i] for i in range(4, 7)}
+    model = models.get(name)
+    hf_dir = mcore_to_hf(saved, tmp_path / "hf", model=model, progress=False)
+    logits = run_ranks(1, megatron_logits_from, model, str(saved), 1, 1)[0]
+    assert (hf_logits_of(str(hf_dir), model.vocab_size) - logits).abs().max().item() < 1e-5
 
 # the launchers' settings (scripts/pretrain_qwen35_*.sh) at toy size on two ranks
 LAUNCHER_LAYOUTS = {

@@ -116,3 +116,27 @@ def test_a_named_models_embedding_has_its_own_rows_at_any_tp_and_a_null_tokenize
     assert (tokenizer.vocab_size, tokenizer.eod) == (model.vocab_size, model.vocab_size - 1)
     own = _megatron_lm_arguments(words, monkeypatch, world=tp)
     assert (build_tokenizer(own).vocab_size, own.padded_vocab_size) == (128, model.vocab_size)
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_the_flows_flags_of_a_hybrid_model_give_megatron_its_transformer_config(name, one_rank, monkeypatch):
+    """scripts/pretrain_gpt.py's flags of a hybrid model (flow.model_flags): megatron.training's own
+    TransformerConfig of them is the provider's (megatron's layers two per model layer, the Gated DeltaNet
+    sizes), megatron counts the run as hybrid, and flow.hybrid reads the named model back from them."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from flow import hybrid
+    from flow.model_flags import flow_flags
+    from models.config import HYBRID_FIELDS
+    from models.provider import transformer_config
+
+    model = models.get(name)
+    args = _megatron_lm_arguments(flow_flags(model), monkeypatch, tokenizer=())
+    theirs, ours = core_transformer_config_from_args(args), transformer_config(model)
+    differing = {field: (getattr(theirs, field, None), getattr(ours, field, None))
+                 for field in (*ARCHITECTURE, *HYBRID_FIELDS)
+                 if getattr(theirs, field, None) != getattr(ours, field, None)}
+    assert not differing, f"{name}: megatron's / ours: {differing}"
+    assert theirs.is_hybrid_model and args.num_layers == 2 * model.num_layers
+    assert hybrid.pretrain_inputs(args, name)[0].model is None  # pretrain takes flow.hybrid's model_provider
+    assert hybrid._as_given(args, name) == model
