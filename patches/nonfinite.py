@@ -15,7 +15,17 @@ exit status. Built on that, here (``train_step``'s outcome, which every rank sha
   validate a process's first iteration: so they are checked first, and where any rank holds a non-finite
   weight nothing is saved (exit 17, megatron's "resume from a previous checkpoint");
 - the gradient norm the optimizer step returns (the same on every rank) is checked as well: non-finite, the
-  optimizer has stepped with it, so the run stops at once (exit 17) before anything can save those weights.
+  optimizer has stepped with it, so the run stops at once (exit 17) before anything can save those weights;
+- ``--rerun-mode disabled``: megatron's machine raises a RuntimeError from the loss function (a traceback per
+  rank, exit 1); here it ends megatron's ``train`` as the machine's own stop does, exit 17, the line from
+  rank 0 (a rank that alone found the value exits 17 silently; the others are ended by the launcher or
+  --distributed-timeout-minutes);
+- ``--rerun-mode report_stats``, the word megatron's parser offers, names the machine's stats mode (its own
+  lookup raises ValueError); that mode re-runs every step and rejects nothing, so the gradient norm stops it.
+
+The exit status, every rank's: 16 only where megatron saved its re-run checkpoint (resume it on another
+device to tell a faulty device from a divergence); 17 for every other non-finite stop (nothing was saved
+after the last finite iteration: resume from the last checkpoint).
 """
 
 from __future__ import annotations
@@ -63,6 +73,15 @@ def _rejected(machine, model, args, saving: bool) -> tuple[bool, str]:
                   f"train on, resume from a checkpoint saved before the loss diverged")
 
 
+def _unchecked(found: tuple[int, str, str], at: int, args) -> str:
+    """The line for a value ``--rerun-mode disabled`` rejected: megatron raises it from the loss function,
+    before the backward pass and the optimizer step, on each rank that found it."""
+    rank, value, message = found
+    return (f"iteration {at}: {nonfinite.what(message)} is {value} on rank {rank} ({message}); --rerun-mode "
+            f"disabled: not re-run. Nothing was saved after iteration {at - 1}: lower --lr (now {args.lr:g}) and "
+            f"resume from the last checkpoint")
+
+
 def one_line_stop(train_step):
     """``train_step``; where its outcome stops the run (the machine's verdict, or a non-finite gradient norm
     the machine let through), the checkpoint decision above and the line for ``train``'s exit."""
@@ -73,7 +92,14 @@ def one_line_stop(train_step):
         from megatron.core.rerun_state_machine import EXIT_CODE_FAILED_ON_RESULT_VALIDATION, get_rerun_state_machine
         from megatron.training.global_vars import get_args
 
-        result = train_step(*args, **kwargs)
+        try:
+            result = train_step(*args, **kwargs)
+        except RuntimeError as error:
+            found = nonfinite.disabled_rejection(error)
+            if found is None:
+                raise
+            _line[:] = [_unchecked(found, get_rerun_state_machine().current_iteration, get_args())]
+            return {}, True, False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION, None, None, 0  # megatron's exit
         should_checkpoint, should_exit, exit_code, grad_norm = result[2:6]
         machine, megatron_args = get_rerun_state_machine(), get_args()
         model = signature.bind(*args, **kwargs).arguments["model"]
@@ -109,6 +135,9 @@ def said_on_exit(train):
 
 
 def register(registry, versions: str) -> None:
+    registry.wrap("megatron.core.rerun_state_machine:RerunMode._missing_", nonfinite.mode_named, versions=versions,
+                  reason="--rerun-mode report_stats, megatron's parser's word, names REPORT_DETERMINISM_STATS "
+                         "(initialize_megatron's RerunMode(args.rerun_mode) raises ValueError for it)")
     registry.wrap(f"{_T}train_step", one_line_stop, versions=versions,
                   reason="a non-finite loss or grad norm: no non-finite checkpoint, and one line for the job")
     registry.wrap(f"{_T}train", said_on_exit, versions=versions,
