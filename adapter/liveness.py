@@ -70,6 +70,7 @@ _seqs: dict[str, itertools.count] = {}  # group name -> this rank's count of col
 _group_names: dict = {}  # process group -> its name (groups live as long as the run)
 _waited = [0.0]  # seconds this rank spent inside synchronous collectives
 _timeout_minutes = [0.0]
+_timeout_flag = [""]  # the flag that set the timeout, with its value, for the line
 _watcher: list[threading.Thread] = []
 _at_exit: list = []  # the interpreter's exit stops the watch (registered once)
 _looking = threading.Lock()  # held by the watcher through each look, by ``stop`` to wait for one to end
@@ -102,6 +103,17 @@ def watch(timeout_minutes: float) -> None:
     _watcher.append(threading.Thread(target=_watch, args=(timeout_minutes, _stopped[0]), daemon=True,
                                      name="adapter-liveness"))
     _watcher[0].start()
+
+
+def watching() -> bool:
+    """Whether the watch is on (the collectives are tracked, so the straggler check can tell waits apart)."""
+    return bool(_watcher)
+
+
+def retime(seconds: float, flag: str) -> None:
+    """Judge by a new timeout from now on: the process groups' own timeouts were set to ``seconds`` (megatron's
+    ``--distributed-timeout-seconds-after-init``), and gloo's would otherwise raise in a ``wait()`` first."""
+    _timeout_minutes[0], _timeout_flag[0] = seconds / 60, f"{flag} {seconds:g}"
 
 
 def stop() -> None:
@@ -265,7 +277,7 @@ def _enter(name: str, group, peers: list[int] | None = None) -> int:
 def _watch(timeout_minutes: float, stopped: threading.Event) -> None:
     """The watcher's loop: a look every ``_POLL`` seconds until ``stop``; a look that has begun ends before
     the groups are torn down (``_looking``)."""
-    _timeout_minutes[0] = timeout_minutes
+    _timeout_minutes[0], _timeout_flag[0] = timeout_minutes, f"--distributed-timeout-minutes {timeout_minutes:g}"
     while not stopped.wait(_POLL):
         with _looking:
             if stopped.is_set():
@@ -334,7 +346,7 @@ def _how(entry: dict, exc: BaseException | None) -> str:
     error), or ``failed after 2 s (its error)``."""
     seconds = time.monotonic() - entry["start"]
     if exc is None or seconds >= 0.95 * _deadline():
-        return f"timed out after {seconds:.0f} s (--distributed-timeout-minutes {_timeout_minutes[0]:g})"
+        return f"timed out after {seconds:.0f} s ({_timeout_flag[0]})"
     return f"failed after {seconds:.0f} s ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
 
 

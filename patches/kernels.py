@@ -153,8 +153,29 @@ def _register_moe_permutation(registry, versions: str, provider) -> None:
                      reason="moe_utils' HAVE_TE only guards the fused names, all bound now")
 
 
+def _kernels_said(initialize_distributed):
+    """megatron.training's ``_initialize_distributed``, then rank 0's one line saying what runs in place of
+    megatron's silenced fallback warnings (``adapter.report.kernel_summary``: the backend, the kernel
+    provider, each op and the optimizer), as the project's own loop said it at the same point."""
+
+    @functools.wraps(initialize_distributed)
+    def initialize(*args, **kwargs):
+        import torch
+
+        result = initialize_distributed(*args, **kwargs)
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+            from adapter.report import kernel_summary
+
+            print(kernel_summary(), flush=True)
+        return result
+
+    return initialize
+
+
 def register(registry, versions: str) -> None:
     provider = kernels.current()
+    registry.wrap("megatron.training.initialize:_initialize_distributed", _kernels_said, versions=versions,
+                  reason="rank 0 says which kernels run in place of megatron's fallback warnings, in one line")
     registry.replace(f"{_BACKENDS}.layer_norm", _spec_layer_norm, versions=versions,
                      reason="the local spec's norm is the kernel provider's (supports sequence parallel; "
                             "0.17+'s has_residual asks for no other norm here)")

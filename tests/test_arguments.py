@@ -1,14 +1,13 @@
 """Bad arguments are refused before any rank does work: one ``error:`` line naming the value and the fix,
-from one process, exit status 2 on every rank, no traceback. The table is checked in process against
-``validate_args`` (each concern's message) and on 2-rank launches of scripts/pretrain_gpt.py (what a
-user sees)."""
+from one process, exit status 2 on every rank, no traceback. The table is checked in process against the
+own loop's ``validate_args`` (each concern's message); what a user of scripts/pretrain_gpt.py (now
+megatron.training's ``pretrain``) sees on 2-rank launches is tests/test_flow_arguments.py's."""
 
 from __future__ import annotations
 
 import pytest
 
 from adapter.training.arguments import ArgumentError, parse_args, validate_args
-from tests.distributed import launch_script
 
 BASE = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
 TINY = ["--model", "qwen2.5-tiny", *BASE]
@@ -263,26 +262,3 @@ def test_a_flag_no_parser_knows_keeps_argparses_error(capsys):
             parse_args([*TINY, *extra])
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and "usage:" in err and "unrecognized arguments: " in err, err
-
-
-# one refusal per stage a launch reaches (the model named, the tokenizer built, the data opened), and the
-# command line itself: each costs two fresh interpreters
-LAUNCHED = [REFUSED[i] for i in (0, 8, 15)] + [
-    ([*TINY, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", "/no/such.model"], 2,
-     "--tokenizer-model '/no/such.model' is not a file"),
-    ([*TINY, "--no-such-flag"], 2, "usage: "),
-    ([*TINY, "--log-params-norm"], 2, "--log-params-norm: Megatron-LM's flag, which this flow"),
-    ([*TINY, "--tp-comm-overlap"], 2, "--tp-comm-overlap: TP communication overlap runs only on CUDA"),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.multiproc
-@pytest.mark.parametrize("argv, world, message", LAUNCHED, ids=[m[:40] for _, _, m in LAUNCHED])
-def test_two_ranks_refuse_with_one_error_line_and_no_traceback(argv, world, message, tmp_path):
-    ranks = launch_script("scripts/pretrain_gpt.py", argv)
-    output = "".join(output for _, output in ranks)
-    assert [status for status, _ in ranks] == [2, 2], output[-3000:]
-    errors = [line for line in output.splitlines() if "error:" in line]
-    assert len(errors) == 1, output[-3000:]
-    assert message in output and "Traceback" not in output, output[-3000:]

@@ -313,18 +313,21 @@ def test_a_clean_corpus_passes_and_the_token_scan_can_be_skipped(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("fault", ["truncated .bin", "another corpus's .idx", "token id = vocabulary"])
 def test_a_bad_corpus_stops_every_rank_before_the_first_step_with_one_error_line(tmp_path, fault):
-    """scripts/pretrain_gpt.py on 2 ranks: rank 0 checks, and each rank says its verdict in one line and exits,
-    none left waiting in a collective. The vocabulary is qwen2.5-tiny's 512 embedding rows, not the 64 of
-    the tokenizer."""
+    """scripts/pretrain_gpt.py (megatron.training's ``pretrain``) on 2 ranks: rank 0 checks the corpus as
+    megatron builds its data iterators (adapter/input_refusals.py) and gives every rank its verdict: the job
+    says it in one line (from one process) and every rank exits 2 (a refused input), none left waiting in a
+    collective. The vocabulary is qwen2.5-tiny's 512 embedding rows, not the 64 of the tokenizer."""
     prefix, message = FAULTS[fault](tmp_path, 512)
     ranks = launch_script("scripts/pretrain_gpt.py", [
         "--model", "qwen2.5-tiny", "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "16",
-        "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "63", "--data-path", prefix, "--split", "1,0,0", "--distributed-timeout-minutes", "1"])
-    for status, output in ranks:
-        assert status == 1 and "Traceback" not in output and " iteration " not in output, output[-3000:]
-        errors = [line for line in output.splitlines() if "error:" in line]
-        assert errors == [f"error: checking --data-path failed on rank 0: DataError: {message}"], output[-3000:]
+        "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0", "--eval-interval", "1", "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", "63", "--data-path", prefix, "--split", "1,0,0",
+        "--distributed-timeout-minutes", "1"])
+    output = "".join(output for _, output in ranks)
+    assert [status for status, _ in ranks] == [2, 2], output[-3000:]
+    assert "Traceback" not in output and " iteration " not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert errors == [f"error: {message}"], output[-3000:]
 
 
 # ---------------------------------------------------------------- samplers and loader

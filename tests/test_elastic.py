@@ -1,7 +1,11 @@
-"""Restarts and hangs under torchrun, as a user launches scripts/pretrain_gpt.py: a rank lost at start-up,
-mid-save or mid-step brings the group back with the losses of a run that lost nothing; a rank that stops
-answering ends the job within the collective timeout, each survivor saying where. Two gloo ranks at TP 2,
-the faults placed by tests/elastic_rank.py (test-only)."""
+"""Restarts and hangs under torchrun, as a user launches scripts/pretrain_gpt.py (megatron.training's own
+``pretrain``): a rank lost at start-up, mid-save or mid-step brings the group back with the losses of a run
+that lost nothing; a rank that stops answering ends the job within the collective timeout, each survivor
+saying where; a rank that keeps the others waiting is named. Two gloo ranks at TP 2, the faults placed by
+tests/elastic_rank.py (test-only), which also prints each iteration's own loss (``loss N: X``: megatron's log
+line averages the first two iterations it logs after a start-up). megatron's ``--distributed-timeout-minutes``
+takes whole minutes: the stall tests give megatron's ``--distributed-timeout-seconds-after-init 6`` (the groups'
+timeout from the second iteration on), which the hang watch follows (patches/liveness.py)."""
 
 from __future__ import annotations
 
@@ -17,14 +21,16 @@ from tests.distributed import ROOT
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
-ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \|.*?lm loss: ([0-9.E+-]+)")
+ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \|.*?lm loss: [0-9.E+-]+")
+LOSS = re.compile(r"\bloss (\d+): (\d\.\d+E[+-]\d+)")  # the ranks' lines may interleave
 
 
 def _argv(save, iters: int = 8, *extra) -> list[str]:
     return ["--model", "qwen2.5-tiny", "--tensor-model-parallel-size", "2", "--mock-data", "--seq-length", "64",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "1e-3",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1", "--eval-iters", "0",
-            "--save", str(save), "--load", str(save), "--save-interval", "2", *map(str, extra)]
+            "--eval-interval", str(iters), "--save", str(save), "--load", str(save), "--save-interval", "2",
+            *map(str, extra)]
 
 
 def _torchrun(argv: list[str], faults: str = "", restarts: int = 0, timeout: float = 300) -> tuple[int, str, float]:
@@ -38,8 +44,13 @@ def _torchrun(argv: list[str], faults: str = "", restarts: int = 0, timeout: flo
 
 
 def _losses(output: str) -> list[tuple[int, str]]:
-    """Every (iteration, lm loss) line logged, repeats after a restart included, in order."""
-    return [(int(i), loss) for i, loss in ITERATION.findall(output)]
+    """Every (iteration, its lm loss) trained, repeats after a restart included, in order."""
+    return [(int(i), loss) for i, loss in LOSS.findall(output)]
+
+
+def _logged(output: str) -> list[int]:
+    """The iterations megatron's log line reports, in order."""
+    return [int(i) for i in ITERATION.findall(output)]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +58,7 @@ def reference(tmp_path_factory) -> dict[int, str]:
     status, output, _ = _torchrun(_argv(tmp_path_factory.mktemp("reference")))
     assert status == 0, output
     losses = dict(_losses(output))
-    assert sorted(losses) == list(range(1, 9))
+    assert sorted(losses) == list(range(1, 9)) and _logged(output) == list(range(1, 9)), output[-3000:]
     return losses
 
 
@@ -60,22 +71,26 @@ def test_a_rank_lost_at_start_up_mid_save_and_mid_step_resumes_with_the_uninterr
     assert status == 0, output
     logged = _losses(output)
     assert [i for i, _ in logged] == [1, 2, 3, 4, 3, 4, 5, 6, 7, 7, 8], output
+    assert _logged(output) == [i for i, _ in logged], output
     assert all(loss == reference[i] for i, loss in logged), (logged, reference)
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "8"
 
 
 def test_a_stalled_rank_ends_the_job_within_the_timeout_with_one_line_and_the_restart_resumes(reference, tmp_path):
-    """Rank 1 stops answering (SIGSTOP) as iteration 5 ends; rank 0, in the next collective, ends within the
+    """Rank 1 stops answering (SIGSTOP) as iteration 5 ends (after megatron's log and the straggler check);
+    rank 0, in the next collective (iteration 6's batch broadcast over the tensor-parallel group), ends within the
     timeout (6 s) with one line naming it, its group and rank 1; torchrun stops the group (the stopped rank
     is SIGKILLed as its SIGTERM arrives, tests/elastic_rank.py) and restarts it, resuming from iteration 4."""
-    status, output, seconds = _torchrun(_argv(tmp_path, 8, "--distributed-timeout-minutes", "0.1"), "0:1:stall:5",
-                                        restarts=1)
+    argv = _argv(tmp_path, 8, "--distributed-timeout-seconds-after-init", "6")
+    status, output, seconds = _torchrun(argv, "0:1:stall:5", restarts=1)
     assert status == 0, output
     errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert errors == ["error: rank 0: all_gather on the world (ranks [0, 1]) timed out after 6 s "
-                      "(--distributed-timeout-minutes 0.1): rank 1 did not arrive; ending this process"], output
+    assert errors == ["error: rank 0: broadcast on the tensor model parallel group (ranks [0, 1]) timed out after "
+                      "6 s (--distributed-timeout-seconds-after-init 6): rank 1 did not arrive; ending this process"], \
+        output
     logged = _losses(output)
     assert [i for i, _ in logged] == [1, 2, 3, 4, 5, 5, 6, 7, 8], output
+    assert _logged(output) == [i for i, _ in logged], output
     assert all(loss == reference[i] for i, loss in logged)
     assert seconds < 150  # two start-ups and 6 s of timeout; without the watcher it never ends
 
@@ -83,17 +98,19 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout_with_one_line_and_the_re
 def test_a_stalled_pipeline_stage_ends_its_peer_in_a_send_or_receive_with_one_line(tmp_path):
     """PP 2: rank 1 (the last stage) stops answering as iteration 5 ends. Rank 0's next step posts its
     activations and waits for rank 1's gradients, no collective in between (the straggler check gathers at
-    log intervals, every 4th iteration here): the pipeline's own send and receive end it, named."""
+    log intervals, every 4th iteration here): the pipeline's own send and receive end it, named. megatron's
+    log reports each generation's first iteration too."""
     argv = _argv(tmp_path, 8, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
-                 "--log-interval", "4", "--distributed-timeout-minutes", "0.1")
+                 "--log-interval", "4", "--distributed-timeout-seconds-after-init", "6")
     status, output, seconds = _torchrun(argv, "0:1:stall:5", restarts=1)
     assert status == 0, output
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.fullmatch(
         r"error: rank 0: pipeline (send to|receive from) rank 1(, (send to|receive from) rank 1)? on the pipeline "
-        r"model parallel group \(ranks \[0, 1\]\) timed out after 6 s \(--distributed-timeout-minutes 0.1\): rank 1 "
-        r"did not answer; ending this process", errors[0]), output
-    assert [i for i, _ in _losses(output)] == [4, 8], output
+        r"model parallel group \(ranks \[0, 1\]\) timed out after 6 s \(--distributed-timeout-seconds-after-init 6\): "
+        r"rank 1 did not answer; ending this process", errors[0]), output
+    assert _logged(output) == [1, 4, 5, 8], output
+    assert [i for i, _ in _losses(output)] == [1, 2, 3, 4, 5, 5, 6, 7, 8], output
     assert seconds < 150
 
 

@@ -162,13 +162,14 @@ def test_a_waited_collective_without_a_future_is_no_longer_in_flight():
 @pytest.mark.slow
 def test_short_runs_of_the_flow_end_without_a_traceback(tmp_path):
     """Short runs of scripts/pretrain_gpt.py through scripts/launch.py, TP2 with sequence parallelism (its
-    reduce-scatters are gloo works without a future) and a distributed timeout of 15 s, so that what the
-    watcher holds ages past a quarter of it within the run: every run ends 0 and no log holds ``Exception in
-    thread`` or ``Traceback``. With a timeout of 3 s, 5 runs of 5 ended as timed out (exit status 1) before
-    the fix; 3 s is too short for the ranks to join on a loaded CI host, so the race itself is shown by the
-    exit-path tests above, and this run guards the whole path."""
+    reduce-scatters are gloo works without a future) and a distributed timeout of 15 s (megatron's
+    ``--distributed-timeout-seconds-after-init``, from the second iteration on, which the watch follows), so
+    that what the watcher holds ages past a quarter of it within the run: every run ends 0 and no log holds
+    ``Exception in thread`` or ``Traceback``. With a timeout of 3 s, 5 runs of 5 ended as timed out (exit
+    status 1) before the fix; 3 s is too short for the ranks to join on a loaded CI host, so the race itself
+    is shown by the exit-path tests above, and this run guards the whole path."""
     flow = ["--model", "qwen2.5-tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-            "--distributed-timeout-minutes", "0.25", "--use-distributed-optimizer", "--overlap-grad-reduce",
+            "--distributed-timeout-seconds-after-init", "15", "--use-distributed-optimizer", "--overlap-grad-reduce",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "32", "--train-iters", "20",
             "--lr", "3e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "511",
             "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "5", "--exit-signal-handler"]
