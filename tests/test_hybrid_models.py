@@ -163,6 +163,7 @@ SCRIPT_LAYOUTS = {"qwen3.5-tiny": ["--tensor-model-parallel-size", "2"],
                   "qwen3-next-tiny": ["--expert-model-parallel-size", "2"]}
 
 
+@pytest.mark.multiproc  # starts ranks for the test below (tests/test_markers.py reads the mark)
 def _script_losses(tmp_path, name: str, run: str, *extra: str) -> tuple[dict[int, float], str]:
     """(iteration -> the float32 training loss megatron wrote to TensorBoard, rank 0's output) of
     scripts/pretrain_gpt.py on ``name``'s SCRIPT_LAYOUTS; the test fails with the log's tail otherwise."""
@@ -205,6 +206,7 @@ def test_the_script_trains_a_hybrid_model_resumes_it_bit_exactly_and_converts_it
     hf_dir = mcore_to_hf(saved, tmp_path / "hf", model=model, progress=False)
     logits = run_ranks(1, megatron_logits_from, model, str(saved), 1, 1)[0]
     assert (hf_logits_of(str(hf_dir), model.vocab_size) - logits).abs().max().item() < 1e-5
+
 
 # the launchers' settings (scripts/pretrain_qwen35_*.sh) at toy size on two ranks
 LAUNCHER_LAYOUTS = {
