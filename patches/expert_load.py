@@ -40,8 +40,8 @@ def counted(setup_model_and_optimizer):
 
         result = setup_model_and_optimizer(*args, **kwargs)
         megatron_args = get_args()
-        if megatron_args.num_experts is not None:
-            _load[:] = [ExpertLoad(megatron_args.num_layers, megatron_args.num_experts, result[0])]
+        moe = megatron_args.num_experts is not None
+        _load[:] = [ExpertLoad(megatron_args.num_layers, megatron_args.num_experts, result[0])] if moe else []
         return result
 
     return setup
