@@ -68,14 +68,17 @@ class ExpertLoad:
         (``is_mtp_layer``); 0.16 numbers the MTP layers on after the decoder's."""
         return getattr(router, "is_mtp_layer", False) or router.layer_number > self.counts.shape[0]
 
-    def summary(self, layers: dict[int, int], reset: bool = True) -> Summary:
+    def summary(self, layers: dict[int, int] | None = None, reset: bool = True) -> Summary:
         """At a log line, on every rank (a collective): the load since the last reset of the MoE layers
-        ``layers`` (megatron's 0-based layer index -> the number the log shows); ``reset`` starts the count
-        anew."""
+        ``layers`` (megatron's 0-based layer index -> the number the log shows); None: the layers whose routers
+        took tokens, on any rank and pipeline stage (every MoE layer routes each training forward's tokens),
+        shown by megatron's index. ``reset`` starts the count anew."""
         counts = self.counts.clone()
         torch.distributed.all_reduce(counts)
         if reset:
             self.counts.zero_()
+        if layers is None:
+            layers = {i: i for i in counts.sum(dim=1).nonzero().flatten().tolist()}
         counts = counts[list(layers)].double()
         shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
         load = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)

@@ -1,7 +1,8 @@
 """megatron.training's run of a MoE model logs each MoE layer's expert load (adapter/expert_load.py), as the
 own flow does: megatron.training logs the router losses but not the load.
 
-The routers of the model ``setup_model_and_optimizer`` returns are counted from the first iteration on. At
+The routers of the model ``setup_model_and_optimizer`` returns are counted from the first iteration on,
+under megatron's 0-based layer index (a hybrid model's too: its MoE blocks are layers of their own). At
 each of megatron's log lines (``training_log``, every rank; its line printed by the last), the count summed
 over all ranks is said by the last rank on a line of its own, just after megatron's, and written to
 megatron's TensorBoard writer. Not through ``loss_dict``: megatron averages its entries over the line's
@@ -21,14 +22,6 @@ from adapter.expert_load import ExpertLoad
 
 _T = "megatron.training.training:"
 _load: list[ExpertLoad] = []  # the run's count, once the model stands
-
-
-def moe_layers(args) -> dict[int, int]:
-    """megatron's MoE layers (0-based, shown as they are) for its --moe-layer-freq, as megatron's GPT layer
-    specs read it: every N-th layer from the first, or a 0/1 per layer."""
-    freq = args.moe_layer_freq
-    pattern = [int(i % freq == 0) for i in range(args.num_layers)] if isinstance(freq, int) else freq
-    return {i: i for i, is_moe in enumerate(pattern) if is_moe}
 
 
 def counted(setup_model_and_optimizer):
@@ -61,7 +54,7 @@ def logged(training_log):
         iteration, first = bound.arguments["iteration"], bound.arguments["is_first_iteration"]
         megatron_args = get_args()
         if _load and (iteration % megatron_args.log_interval == 0 or first):
-            load = _load[0].summary(moe_layers(megatron_args), reset=not first)
+            load = _load[0].summary(reset=not first)
             writer = get_tensorboard_writer()
             if writer is not None:
                 load.write(writer, iteration, megatron_args.moe_per_layer_logging)
