@@ -135,3 +135,60 @@ def exit_signal_stop(save: str) -> dict:
             stops = training.checkpoint_and_decide_exit(None, None, None, 5, 0.0, {}, None)
         outcomes[case] = (stops, saved, [line for line in printed.getvalue().splitlines() if "[adapter]" in line])
     return outcomes
+
+
+def expert_load_log(experts: int, topk: int) -> dict:
+    """megatron.training's own ``training_log`` (wrapped: patches/expert_load.py) at --log-interval 2 over two
+    real megatron routers (layers 1 and 2) the wrapped ``setup_model_and_optimizer`` handed over: iteration 1
+    (megatron's first, logged without a new count), then 2. Before each, a training forward of each router, an
+    evaluation forward and a forward without autograd (neither counts). Returns the top-k experts each training
+    forward chose (megatron's gating over the inputs, read apart from the routing map), what the process printed
+    at each iteration, the TensorBoard scalars, and what a dense model's setup leaves (no load)."""
+    import contextlib
+    import io
+
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.training import arguments, global_vars, training
+
+    from patches import expert_load
+
+    args = megatron_args(["--num-experts", str(experts), "--moe-router-topk", str(topk), "--moe-ffn-hidden-size", "64",
+                         "--log-interval", "2", "--moe-per-layer-logging"])
+    args.padded_vocab_size = args.vocab_size  # what building the tokenizer sets, for the line's FLOPs
+    global_vars._set_timers(args)
+    global_vars._set_energy_monitor(args)
+    init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size, 1)
+    torch.distributed.init_process_group("gloo")
+    parallel_state.initialize_model_parallel()
+    config = arguments.core_transformer_config_from_args(args)
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    routers = torch.nn.ModuleList([TopKRouter(config, groups), TopKRouter(config, groups)])
+    for number, router in enumerate(routers, 1):
+        router.set_layer_number(number)
+    expert_load.counted(lambda *a, **k: ([routers], None, None))()
+    scalars: dict = {}
+    global_vars._GLOBAL_TENSORBOARD_WRITER = types.SimpleNamespace(
+        add_scalar=lambda name, value, step: scalars.setdefault(name, {}).__setitem__(step, value))
+    chosen, printed = [], {}
+    global_vars.get_timers()("interval-time", log_level=0).start(barrier=True)  # as train() starts it
+    for iteration in (1, 2):
+        for router in routers:
+            hidden = torch.randn(3, 2, args.hidden_size)
+            router(hidden)
+            chosen.append([router.layer_number, torch.topk(router.gating(hidden), topk).indices.flatten().tolist()])
+            with torch.no_grad():
+                router(hidden)
+            router.eval()
+            router(hidden)
+            router.train()
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            training.training_log({"lm loss": torch.tensor([1.0])}, {}, 1e-3, iteration, 1.0, False, 0, 1.0,
+                                  None, None, None, is_first_iteration=iteration == 1)
+        printed[iteration] = out.getvalue()
+    args.num_experts = None
+    expert_load.counted(lambda *a, **k: ([routers], None, None))()
+    return {"chosen": chosen, "printed": printed, "scalars": scalars, "dense": list(expert_load._load)}

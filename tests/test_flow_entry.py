@@ -16,7 +16,7 @@ ITERATIONS = 8
 ARGV = ["--model", "qwen2.5-tiny", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
         "--global-batch-size", "16", "--train-iters", str(ITERATIONS), "--lr", "5e-3", "--lr-decay-style", "constant",
         "--eval-interval", str(ITERATIONS), "--eval-iters", "1", "--log-interval", "1", "--mock-data",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--seed", "1234"]
+        "--seed", "1234"]
 # megatron.training's training log line: "iteration 3/ 8 | ... | lm loss: 6.93E+00 | ..."
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: (\S+) \|")
 
@@ -31,6 +31,26 @@ def test_two_tensor_parallel_ranks_train_the_mock_data_through_megatron_training
     assert sorted(losses) == list(range(1, ITERATIONS + 1)), output[-4000:]
     curve = [losses[step] for step in sorted(losses)]
     assert all(math.isfinite(loss) for loss in curve), curve
-    # random init over a 1000-token vocabulary starts near ln(1000) = 6.9; the mock tokens are learnable
-    assert abs(curve[0] - math.log(1000)) < 0.5, curve
+    # random init over the model's 512-token vocabulary starts near ln(512) = 6.24; the mock tokens are learnable
+    assert abs(curve[0] - math.log(512)) < 0.5, curve
     assert max(curve[-2:]) < min(curve[:2]) - 0.5, curve
+    assert "expert load" not in output  # a dense model's log has none
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_moe_model_trained_through_megatron_training_logs_its_expert_load():
+    """qwen3-moe-tiny (4 MoE layers of 8 experts, top 2) at expert parallelism 2: after each of megatron's
+    iteration lines, the last rank's line of the expert load summed over both ranks (patches/expert_load.py),
+    between balanced (1) and every token on one expert (8 / 2 = 4 with top 2), its worst layer one of the 4."""
+    argv = ["--model", "qwen3-moe-tiny", "--expert-model-parallel-size", "2", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--eval-interval", "2",
+            "--eval-iters", "1", "--log-interval", "1", "--mock-data"]
+    ranks = launch_script("scripts/pretrain_gpt.py", argv)
+    output = "".join(output for _, output in ranks)
+    assert [status for status, _ in ranks] == [0, 0], output[-4000:]
+    loads = re.findall(r"iteration\s+(\d+)/\s*2 \|.*\n\[adapter\] iteration\s+(\d+) \| expert load max/mean: "
+                       r"(\S+) \(worst: layer (\d) (\S+)\) \|", output)
+    assert [(int(line), int(said)) for line, said, *_ in loads] == [(1, 1), (2, 2)], output[-4000:]
+    for *_, mean, layer, worst in loads:
+        assert 1 <= float(mean) <= float(worst) <= 4 and int(layer) in range(4), loads

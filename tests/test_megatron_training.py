@@ -123,3 +123,38 @@ def test_the_start_up_line_builds_on_megatrons_timestamps_once_and_bench_startup
     found = PHASES.search(lines[0])
     assert found and found.group(2).startswith("setup 3.0 s, initialize, model and data ")
     assert float(found.group(1)) == pytest.approx(time.time() - start, abs=0.2)
+
+
+@pytest.mark.multiproc
+def test_megatron_training_log_says_the_expert_load_its_routers_were_counted():
+    """megatron.training's own ``training_log`` (wrapped: patches/expert_load.py) over two real megatron routers
+    (8 experts, top 2): after megatron's line, the last rank says the expert load over the training forwards
+    since the last line (max/mean tokens per expert, the mean over the layers and the worst layer), counted
+    against the top-2 experts of megatron's own gating over the inputs (evaluation and no-autograd forwards
+    left out), with its TensorBoard scalars. Iteration 1 is megatron's first line and does not start the count
+    anew (as megatron's own totals). A dense model's setup leaves no count."""
+    from tests.distributed import run_ranks
+    from tests.megatron_training_ranks import expert_load_log
+
+    pytest.importorskip("megatron.training.training", reason="megatron.training ships in the wheel from 0.17")
+    for target in ("setup_model_and_optimizer", "training_log"):
+        assert adapter.registry.status(f"megatron.training.training:{target}") == "applied"
+    [ran] = run_ranks(1, expert_load_log, 8, 2, env={"ADAPTER_BACKEND": "cpu"}, timeout=120)
+    for iteration, forwards in ((1, ran["chosen"][:2]), (2, ran["chosen"])):
+        tokens = {0: torch.zeros(8), 1: torch.zeros(8)}
+        for layer_number, experts in forwards:
+            tokens[layer_number - 1] += torch.bincount(torch.tensor(experts), minlength=8)
+        load = {layer: (count.max() / count.mean()).item() for layer, count in tokens.items()}
+        worst = max(load, key=load.get)
+        lines = ran["printed"][iteration].splitlines()
+        assert f"iteration {iteration:8d}/" in lines[-2]
+        assert lines[-1] == (f"[adapter] iteration {iteration:8d} | expert load max/mean: "
+                             f"{sum(load.values()) / 2:.3f} (worst: layer {worst} {load[worst]:.3f}) |")
+        scalars = ran["scalars"]
+        assert scalars["expert-load-max-over-mean"][iteration] == pytest.approx(sum(load.values()) / 2)
+        for layer, value in load.items():
+            assert scalars[f"moe/expert_load_max_over_mean_layer_{layer}"][iteration] == pytest.approx(value)
+            for expert in range(8):
+                assert scalars[f"moe/tokens_per_expert_layer_{layer}/expert_{expert}"][iteration] == pytest.approx(
+                    (tokens[layer][expert] / tokens[layer].sum()).item())
+    assert ran["dense"] == []

@@ -189,16 +189,17 @@ def test_tiny_qwen_script_trains_saves_resumes_and_plots(tmp_path):
 @pytest.mark.slow
 def test_tiny_moe_script_trains_and_logs_its_experts(tmp_path):
     """MODEL=qwen3-moe-tiny (QK-norm, heads of their own size): PP2 x EP2 on 4 gloo ranks from a fresh
-    directory; the validation loss falls from ln(512) = 6.24 and the iteration lines carry the router loss
-    and the expert load."""
+    directory; the validation loss falls from ln(512) = 6.24, megatron.training's iteration lines carry the
+    router loss and the adapter's line after each the expert load."""
     env = {**os.environ, "OUTPUT_DIR": str(tmp_path / "run"), "TRAIN_ITERS": "30", "EVAL_INTERVAL": "30",
            "MODEL": "qwen3-moe-tiny", "PYTHON": sys.executable}
     done = subprocess.run(["bash", "scripts/pretrain_qwen_tiny.sh"], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert list(_validation_losses(done.stdout)) == [30] and _validation_losses(done.stdout)[30] < 5.8
-    line = next(line for line in done.stdout.splitlines() if line.startswith(" iteration       25/"))
-    assert "| load_balancing_loss: " in line and "| expert load max/mean: " in line
+    line = next(line for line in done.stdout.splitlines() if "] iteration       25/" in line)  # megatron's
+    assert "| load_balancing_loss: " in line
+    assert "\n[adapter] iteration       25 | expert load max/mean: " in done.stdout  # after it, from the last rank
     assert (tmp_path / "run" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "30"
 
 

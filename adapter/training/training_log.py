@@ -19,10 +19,10 @@ import time
 
 import torch
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
-from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from adapter import device, startup_clock
+from adapter.expert_load import ExpertLoad
 from models.config import FULL_ATTENTION
 
 
@@ -74,12 +74,8 @@ class ExpertMetrics:
     the MoE layers to TensorBoard (each layer too with --moe-per-layer-logging) and adds it to the totals the
     line averages over its iterations.
 
-    Expert load, which megatron-core 0.16.1 does not log: the tokens each expert is routed in each MoE layer,
-    counted by a hook on each router in training forwards only (under autograd, as megatron counts for its
-    expert bias, so neither evaluation nor a recomputed forward counts) and summed over all ranks at each log
-    line. Every token is routed on exactly one rank of its pipeline stage, since megatron requires sequence
-    parallelism for MoE at TP > 1. Shown as max/mean tokens per expert: 1 is perfectly balanced, the number of
-    experts means one expert took every token."""
+    Expert load, which megatron-core does not log: adapter/expert_load.py's count, summed over all ranks at
+    each log line and shown on the line."""
 
     def __init__(self, args, model: list):
         config = args.model_config
@@ -89,26 +85,11 @@ class ExpertMetrics:
         self.moe_layers = config.megatron_moe_layers()
         # megatron's aux-loss tracker reads the MoE layers as one 0/1 per megatron layer
         self.moe_layer_freq = [int(i in self.moe_layers) for i in range(config.megatron_num_layers)]
-        self.counts = torch.zeros(config.megatron_num_layers, config.num_experts, dtype=torch.long,
-                                  device=device.current_device())
         self.totals: dict[str, torch.Tensor] = {}
         self.iterations = 0
         # megatron's tracker holds the MTP layers' router losses after the decoder's (MoE layers like the last)
         self.mtp = {"mtp_num_layers": config.mtp_num_layers} if config.mtp_num_layers else {}
-        for chunk in model:
-            for module in chunk.modules():
-                if isinstance(module, TopKRouter):
-                    module.register_forward_hook(self._count)
-
-    def _count(self, router, inputs, output) -> None:
-        if router.training and torch.is_grad_enabled() and not self._in_mtp_layer(router):
-            routing_map = output[1]
-            self.counts[router.layer_number - 1] += routing_map.sum(dim=0)
-
-    def _in_mtp_layer(self, router) -> bool:
-        """Whether ``router`` routes an MTP layer's tokens, which the load leaves out: 0.17+ flag it
-        (``is_mtp_layer``); 0.16 numbers the MTP layers on after the decoder's."""
-        return getattr(router, "is_mtp_layer", False) or router.layer_number > self.counts.shape[0]
+        self.load = ExpertLoad(config.megatron_num_layers, config.num_experts, model)
 
     def track(self, iteration: int, writer) -> None:
         """After each training iteration, on every rank."""
@@ -122,26 +103,13 @@ class ExpertMetrics:
     def log(self, iteration: int, writer) -> tuple[list[str], dict]:
         """At a log line, on every rank (the load is summed over all): the line's fields and the logged
         values (router losses averaged over the iterations since the last line, each MoE layer's load)."""
-        torch.distributed.all_reduce(self.counts)
-        counts = self.counts[list(self.moe_layers)].double()
-        layers = list(self.moe_layers.values())  # the model's layer numbers, as the log shows them
-        shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
-        load = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).tolist()
-        self.counts.zero_()
+        load = self.load.summary(self.moe_layers)  # the model's layer numbers, as the log shows them
         logged = {name: (total / self.iterations).item() for name, total in self.totals.items()}
         self.totals, self.iterations = {}, 0
         if writer is not None:
-            writer.add_scalar("expert-load-max-over-mean", sum(load) / len(load), iteration)
-            for layer, value, layer_shares in zip(layers, load, shares.tolist()):
-                writer.add_scalar(f"moe/expert_load_max_over_mean_layer_{layer}", value, iteration)
-                if self.args.moe_per_layer_logging:
-                    for expert, share in enumerate(layer_shares):
-                        writer.add_scalar(f"moe/tokens_per_expert_layer_{layer}/expert_{expert}", share, iteration)
-        worst = max(range(len(load)), key=load.__getitem__)
-        fields = [f"{name}: {value:.6E}" for name, value in logged.items()]
-        fields.append(f"expert load max/mean: {sum(load) / len(load):.3f} (worst: layer {layers[worst]} "
-                      f"{load[worst]:.3f})")
-        return fields, {**logged, "expert load": dict(zip(layers, load))}
+            load.write(writer, iteration, self.args.moe_per_layer_logging)
+        fields = [f"{name}: {value:.6E}" for name, value in logged.items()] + [load.field()]
+        return fields, {**logged, "expert load": dict(zip(load.layers, load.load))}
 
 
 class StartupClock:
