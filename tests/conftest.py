@@ -61,9 +61,19 @@ def _megatron_lm_missing() -> str | None:
     return None
 
 
+def _megatron_training_missing() -> str | None:
+    """megatron.training, which scripts/pretrain_gpt.py runs: in the megatron-core wheel from 0.17, from a
+    Megatron-LM checkout on 0.16.1."""
+    if importlib.util.find_spec("megatron.training") is None:
+        return ("needs megatron.training (megatron-core 0.17 or later, or on 0.16.1 a Megatron-LM checkout at "
+                "core_v0.16.1 on PYTHONPATH)")
+    return None
+
+
 # marker -> why its tests cannot run here (None: they can); asked once per session, and only when a
 # collected test carries the marker.
-REQUIREMENTS = {"cuda": _cuda_missing, "npu": _npu_missing, "megatron_lm": _megatron_lm_missing}
+REQUIREMENTS = {"cuda": _cuda_missing, "npu": _npu_missing, "megatron_lm": _megatron_lm_missing,
+                "megatron_training": _megatron_training_missing}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,80 @@
+"""Rank functions for the in-process tests of the one flow: ``scripts/pretrain_gpt.py``'s ``pretrain``
+(megatron.training's own, through ``flow.pretrain.run``) in the rank's process, with what it logged kept for
+the test. megatron.training's ``pretrain`` returns nothing, so the scalars come from its own calls: each
+``training_log`` (the iteration's reduced losses, before megatron averages them over its log interval) and
+each ``evaluate``."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+
+import adapter  # noqa: F401 - before megatron
+import torch
+
+from flow import pretrain as flow
+
+
+def _scalar(value) -> float:
+    return float(value.float().mean()) if isinstance(value, torch.Tensor) else float(value)
+
+
+@contextlib.contextmanager
+def _recording(history: dict):
+    """megatron.training's ``training_log`` and ``evaluate`` record into ``history`` while the block runs."""
+    from megatron.training import training
+
+    log, evaluate, printing = training.training_log, training.evaluate, training.evaluate_and_print_results
+    signature, printing_signature = inspect.signature(log), inspect.signature(printing)
+    evaluating = {}
+
+    def recorded_log(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        entry = {"iteration": int(bound["iteration"]), "skipped": int(bound["skipped_iter"]),
+                 "grad norm": None if bound["grad_norm"] is None else float(bound["grad_norm"]),
+                 **{name: _scalar(value) for name, value in bound["loss_dict"].items()}}
+        history["train"].append(entry)
+        return log(*args, **kwargs)
+
+    def recorded_printing(*args, **kwargs):
+        bound = printing_signature.bind(*args, **kwargs).arguments
+        evaluating.update(iteration=int(bound["iteration"]), set="test" if "test set" in bound["prefix"] else
+                          "validation", final="set" in bound["prefix"])
+        return printing(*args, **kwargs)
+
+    def recorded_evaluate(*args, **kwargs):
+        result = evaluate(*args, **kwargs)
+        if result[0] is not None:
+            history["validation"].append({**evaluating, **{name: _scalar(v) for name, v in result[0].items()}})
+        return result
+
+    training.training_log, training.evaluate = recorded_log, recorded_evaluate
+    training.evaluate_and_print_results = recorded_printing
+    try:
+        yield
+    finally:
+        training.training_log, training.evaluate, training.evaluate_and_print_results = log, evaluate, printing
+
+
+def run_pretrain(argv: list[str], keep_group: bool = False) -> dict:
+    """``scripts/pretrain_gpt.py argv`` in this rank's process: {"train": one entry per iteration (its number,
+    its losses as the step reduced them, "grad norm", "skipped"), "validation": one per evaluation (its
+    iteration, "set": validation or test, "final": the evaluation after training, and its losses),
+    "stdout": what this rank printed}."""
+    history, printed = {"train": [], "validation": []}, io.StringIO()
+    with _recording(history), contextlib.redirect_stdout(printed):
+        flow.run(argv)
+    history["stdout"] = printed.getvalue()
+    if not keep_group and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return history
+
+
+def logged_losses(results: list[dict], name: str = "lm loss") -> dict[int, float]:
+    """iteration -> ``name`` of one run's ranks (``run_pretrain``'s results), from the last rank that logged
+    one: the last pipeline stage's, whose ranks all log the same."""
+    curves = [{entry["iteration"]: entry[name] for entry in r["train"] if name in entry} for r in results]
+    curves = [c for c in curves if c]
+    assert curves, "no rank logged " + name
+    return curves[-1]
