@@ -13,7 +13,7 @@ RoPE, untied embeddings, fp32, batch 1, the adapter's torch kernel provider) thr
 - ``CP2 p2p`` (ring attention) and ``CP2 a2a`` (Ulysses): built after
   ``initialize_model_parallel(context_parallel_size=2)`` with that ``cp_comm_type``; each rank runs its
   half of the sequence as ``megatron.core.utils.get_batch_on_this_cp_rank`` splits it (chunks r and 3-r of
-  4; through ``adapter.training.data.this_cp_rank_part``, which calls it as each release wants).
+  4; through ``flow.releases.batch_on_this_cp_rank``, which calls it as each release wants).
 
 Every module keeps the process groups it was built with, so the three models run side by side, in turns.
 Before measuring, the CP2 models are checked against CP1 on the shortest sequence: the loss summed over the
@@ -93,12 +93,12 @@ def _batches(seq: int, vocab: int) -> dict:
     """The whole batch (CP1) and this rank's half of it as megatron splits it (CP2)."""
     import torch
 
-    from adapter.training.data import this_cp_rank_part
+    from flow.releases import batch_on_this_cp_rank
 
     tokens = torch.randint(0, vocab, (1, seq + 1), generator=torch.Generator().manual_seed(seq))
     whole = dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
                  position_ids=torch.arange(seq).unsqueeze(0))
-    half = this_cp_rank_part({k: v.clone() for k, v in whole.items()})  # the CP2 state is current
+    half = batch_on_this_cp_rank({k: v.clone() for k, v in whole.items()})  # the CP2 state is current
     return {"CP1": whole, "CP2 p2p": half, "CP2 a2a": half}
 
 

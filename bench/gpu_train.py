@@ -3,9 +3,9 @@
 Per named model (models/, random weights, nothing downloaded), the same shape, micro-batch and sequence
 length, each side in a fresh interpreter (one process, one rank: its memory peak is its own):
 
-- ``flow``: scripts/pretrain_gpt.py's model and step (``adapter.training.gpt_step``) over
-  ``adapter.training.pretrain`` with --mock-data, ``--bf16 --use-distributed-optimizer`` (bf16 parameters,
-  fp32 main parameters and gradients), the flow's defaults for the device otherwise;
+- ``flow``: scripts/pretrain_gpt.py's flow (megatron.training's own ``pretrain``, ``flow.pretrain``) with
+  --mock-data, ``--bf16 --use-distributed-optimizer`` (bf16 parameters, fp32 main parameters and gradients),
+  the flow's defaults for the device otherwise;
 - ``transformers``: ``AutoModelForCausalLM`` from the same config (``models.hf.config_to_hf``), trained as
   HF Trainer's ``bf16=True`` runs it: fp32 parameters under ``torch.autocast(<device>, torch.bfloat16)``,
   SDPA attention, fused ``torch.optim.AdamW``, gradients clipped to norm 1.0.
@@ -145,25 +145,30 @@ def _flow_argv(name: str, steps: int, warmup: int, extra: list[str], dropped: li
     seq, micro = SHAPES[name]
     argv = ["--model", name, "--seq-length", str(seq), "--micro-batch-size", str(micro),
             "--global-batch-size", str(micro), "--train-iters", str(warmup + steps), "--lr", "1e-4",
-            "--lr-decay-style", "constant", "--mock-data", "--log-interval", "1", "--eval-iters", "0",
+            "--lr-decay-style", "constant", "--mock-data", "--log-interval", "1",
+            "--eval-interval", "1000000", "--eval-iters", "0",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--bf16", "--use-distributed-optimizer", *extra]
     return [arg for arg in argv if arg not in dropped]
 
 
+def timed_flow(argv: list[str], clock: StepClock) -> None:
+    """scripts/pretrain_gpt.py's flow (megatron.training's own ``pretrain``) on ``argv``, each of megatron's
+    ``train_step`` calls timed by ``clock``: data, forward, backward and the optimizer step, not the log line
+    megatron writes between steps."""
+    import adapter  # noqa: F401 - before megatron
+    from megatron.training import training
+
+    from flow import pretrain
+
+    training.train_step = clock(training.train_step)
+    clock.around(lambda: pretrain.run(argv))
+
+
 def run_flow(name: str, device: str, steps: int, warmup: int, profile: str | None, extra: list[str],
              dropped: list[str] = ()) -> dict:
-    """The pretrain flow's steps, timed by wrapping the flow's own ``train_step``."""
-    import adapter  # noqa: F401 - before megatron
-    from megatron.core.enums import ModelType
-
-    from adapter.training import pretrain as flow
-    from adapter.training.data import train_valid_test_datasets_provider
-    from adapter.training.gpt_step import forward_step, model_provider
-
+    """The pretrain flow's steps, timed around megatron.training's ``train_step``."""
     clock = StepClock(device, warmup, profile)
-    flow.train_step = clock(flow.train_step)
-    clock.around(lambda: flow.pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                                       forward_step, argv=_flow_argv(name, steps, warmup, extra, dropped)))
+    timed_flow(_flow_argv(name, steps, warmup, extra, dropped), clock)
     from adapter import kernels
 
     return {"seconds": clock.seconds, "peak_memory": _peak_memory(device),

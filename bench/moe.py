@@ -185,6 +185,8 @@ def print_experts(result: dict) -> None:
 
 
 def _flow_argv(iters: int, warmup: int) -> list[str]:
+    from models.megatron_lm_args import null_vocabulary
+
     m = MOE
     return ["--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
             "--ffn-hidden-size", str(m["moe_ffn_hidden_size"]), "--num-attention-heads", str(m["heads"]),
@@ -193,14 +195,15 @@ def _flow_argv(iters: int, warmup: int) -> list[str]:
             "--max-position-embeddings", str(m["seq_length"]), "--seq-length", str(m["seq_length"]),
             "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--disable-bias-linear",
             "--position-embedding-type", "rope", "--rotary-base", "1000000",
-            "--untie-embeddings-and-output-weights", "--vocab-size", str(m["vocab_size"] - 1),
+            "--untie-embeddings-and-output-weights", *null_vocabulary(m["vocab_size"]),
             "--num-experts", str(m["num_experts"]), "--moe-router-topk", str(m["topk"]),
             "--moe-ffn-hidden-size", str(m["moe_ffn_hidden_size"]), "--moe-grouped-gemm",
             "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
             "--moe-aux-loss-coeff", "0.001",
             "--micro-batch-size", str(m["micro_batch"]), "--global-batch-size", str(m["micro_batch"]),
             "--train-iters", str(warmup + iters), "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
-            "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--log-interval", "1",
+            "--eval-interval", "1000000", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
             *(["--bf16"] if _dtype() == torch.bfloat16 else [])]
 
 
@@ -216,28 +219,20 @@ def run_flow(iters: int, warmup: int, profile: str | None) -> dict:
     forward, backward and the optimizer step; not the log line the loop writes between steps, which
     transformers' side has no counterpart of). With ``profile``, a torch.profiler table of the measured
     iterations there and each op's calls per step (the flow's whole loop between steps included)."""
-    import adapter  # noqa: F401 - before megatron
-    from megatron.core.enums import ModelType
-
-    from adapter.training import pretrain as flow
-    from bench.gpu_train import StepClock
-    from adapter.training.data import train_valid_test_datasets_provider
-    from adapter.training import gpt_step
-    from adapter.training.gpt_step import forward_step, model_provider
+    from bench.gpu_train import StepClock, timed_flow
+    from flow import gpt
 
     clock = StepClock(_device().type, warmup, profile)
-    flow.train_step = clock(flow.train_step)
-    batch_seconds = _timed_batches(gpt_step)
-    clock.around(lambda: flow.pretrain(train_valid_test_datasets_provider, model_provider,
-                                       ModelType.encoder_or_decoder, forward_step, argv=_flow_argv(iters, warmup)))
+    batch_seconds = _timed_batches(gpt)
+    timed_flow(_flow_argv(iters, warmup), clock)
     return {**_result(MOE["micro_batch"] * MOE["seq_length"] * len(clock.seconds) / sum(clock.seconds), clock),
             "batch_ms": 1e3 * sum(batch_seconds[warmup:]) / max(len(batch_seconds) - warmup, 1)}
 
 
-def _timed_batches(gpt_step) -> list:
+def _timed_batches(gpt) -> list:
     """The seconds of each of the flow's ``get_batch`` calls (one per iteration here, one micro-batch):
     reading, collating and handing the batch to the device, the host work of its data path."""
-    seconds, get_batch = [], gpt_step.get_batch
+    seconds, get_batch = [], gpt.get_batch
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
@@ -245,7 +240,7 @@ def _timed_batches(gpt_step) -> list:
         seconds.append(time.perf_counter() - start)
         return batch
 
-    gpt_step.get_batch = timed
+    gpt.get_batch = timed
     return seconds
 
 

@@ -77,18 +77,10 @@ def flow_child(steps: int, gloo_groups: bool) -> float:
     moe._SHAPE[0] = "tiny"
     if gloo_groups:
         os.environ["ADAPTER_ONE_RANK_GROUPS"] = "none"
-    import adapter  # noqa: F401 - before megatron
-    from adapter.training import pretrain as flow
-    from adapter.training.data import train_valid_test_datasets_provider
-    from adapter.training.gpt_step import forward_step, model_provider
-    from bench.gpu_train import StepClock
-    from megatron.core.enums import ModelType
+    from bench.gpu_train import StepClock, timed_flow
 
     clock = StepClock("cpu", 10, None)
-    flow.train_step = clock(flow.train_step)
-    argv = moe._flow_argv(steps, 10) + ["--log-interval", str(steps + 10)]
-    flow.pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-                  argv=argv)
+    timed_flow(moe._flow_argv(steps, 10) + ["--log-interval", str(steps + 10)], clock)
     return 1e3 * statistics.median(clock.seconds)
 
 

@@ -4,11 +4,11 @@ The same Qwen2 shape, batch, sequence length and dtype (float32), one process ea
 taking turns (``--rounds`` of each, so drift on the machine hits all alike; the ratios of the best rates
 and of the medians are both printed):
 
-- ``megatron/<provider>``: ``adapter.training.pretrain`` with --mock-data (megatron-core GPTModel, DDP,
-  Adam, the schedule's no-pipelining path), once per kernel provider given (``--providers``; on a CPU:
-  ``torch``, the default, and ``cuda``, which differ here only in RoPE: the torch provider's under
-  megatron's ``apply_rope_fusion``, megatron's own unfused one for cuda), tokens/s read off its own log
-  over the measured iterations;
+- ``megatron/<provider>``: scripts/pretrain_gpt.py's flow (megatron.training's ``pretrain``) with --mock-data
+  (megatron-core GPTModel, DDP, Adam, the schedule's no-pipelining path), once per kernel provider given
+  (``--providers``; on a CPU: ``torch``, the default, and ``cuda``, which differ here only in RoPE: the torch
+  provider's under megatron's ``apply_rope_fusion``, megatron's own unfused one for cuda), tokens/s over the
+  measured iterations, each timed around megatron's ``train_step`` (bench/gpu_train.py's clock);
 - ``transformers``: ``Qwen2ForCausalLM`` trained as its ``Trainer`` does by default (fused
   ``torch.optim.AdamW``, gradients clipped to norm 1.0, as ``--clip-grad`` defaults to in the flow):
   forward + backward + clip + step, timed over the same number of iterations after the same warm-up.
@@ -54,34 +54,22 @@ def _model():
 
 
 def run_megatron(iters: int, warmup: int) -> float:
-    """tokens/s of the pretrain flow over ``iters`` iterations after ``warmup``."""
-    import adapter  # noqa: F401 - before megatron
-    from megatron.core.enums import ModelType
+    """tokens/s of the pretrain flow (scripts/pretrain_gpt.py's: megatron.training's ``pretrain``) over
+    ``iters`` iterations after ``warmup``, each timed around megatron's ``train_step``."""
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_train import StepClock, timed_flow
+    from models.megatron_lm_args import flags
 
-    from adapter.training.pretrain import pretrain
-    from adapter.training.data import train_valid_test_datasets_provider
-    from adapter.training.gpt_step import forward_step, model_provider
-
-    m = _model()
-    argv = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
-            "--ffn-hidden-size", str(m.ffn_hidden_size), "--num-attention-heads", str(m.num_attention_heads),
-            "--group-query-attention", "--num-query-groups", str(m.num_query_groups),
-            "--max-position-embeddings", str(m.max_position_embeddings), "--seq-length", str(m.seq_length),
-            "--normalization", "RMSNorm", "--norm-epsilon", str(m.norm_epsilon), "--swiglu",
-            "--disable-bias-linear", "--add-qkv-bias", "--position-embedding-type", "rope",
-            "--rotary-base", str(m.rotary_base), "--untie-embeddings-and-output-weights",
-            "--vocab-size", str(m.vocab_size - 1),  # the null tokenizer adds its end-of-document id
-            "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(MICRO_BATCH),
+    argv = [*flags(_model()), "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(MICRO_BATCH),
             "--train-iters", str(warmup + iters), "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
-            "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0"]
+            "--log-interval", "1",
+            "--eval-interval", "1000000", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0"]
     if os.environ.get("ADAPTER_KERNELS") == "cuda":
         argv.append("--no-rope-fusion")  # the cuda provider's fused RoPE is Transformer Engine's
     os.environ["ADAPTER_BACKEND"] = "cpu"
-    history = pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                       forward_step, argv=argv)
-    measured = [entry["tokens_per_second"] for entry in history["train"] if entry["iteration"] > warmup]
-    # per-iteration rates over the measured window: tokens / total time
-    return len(measured) / sum(1 / rate for rate in measured)
+    clock = StepClock("cpu", warmup, None)
+    timed_flow(argv, clock)
+    return MICRO_BATCH * _model().seq_length * len(clock.seconds) / sum(clock.seconds)
 
 
 def run_transformers(iters: int, warmup: int) -> float:

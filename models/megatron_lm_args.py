@@ -82,11 +82,15 @@ def described(config: ModelConfig) -> list[str]:
 def vocabulary(config: ModelConfig) -> list[str]:
     """The named model's embedding rows, and NullTokenizer over them for a command line that names no tokenizer
     of its own (its flags come later and win)."""
-    entries = config.vocab_size
+    return null_vocabulary(config.vocab_size)
+
+
+def null_vocabulary(rows: int) -> list[str]:
+    """``rows`` embedding rows and NullTokenizer over them, on the installed release."""
+    entries = rows
     if Version(installed_megatron_core_version()) < Version(_NULL_VOCAB_SINCE):
         entries -= 1  # the release's NullTokenizer adds its end-of-document token
-    return ["--padded-vocab-size", str(config.vocab_size), "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", str(entries)]
+    return ["--padded-vocab-size", str(rows), "--tokenizer-type", "NullTokenizer", "--vocab-size", str(entries)]
 
 
 def _valued(config: ModelConfig, fields: tuple[str, ...], always: bool = False) -> list[str]:

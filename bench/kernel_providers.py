@@ -21,7 +21,7 @@ local path's absolute figures. ``n/a``: the provider has no kernel of its own fo
 megatron's in place. The npu provider is measured only with ``--device npu`` (a real torch_npu and an
 Ascend NPU); on CPU the cuda provider runs PyTorch SDPA's CPU kernels.
 
-Usage: python bench/kernels.py [--device cpu|cuda|npu] [--seq 256 512 ...] [--dtype fp32|bf16]
+Usage: python bench/kernel_providers.py [--device cpu|cuda|npu] [--seq 256 512 ...] [--dtype fp32|bf16]
                                [--batch 1] [--repeats 7] [--markdown]
 """
 
