@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core.transformer.moe.router import TopKRouter
 
 from adapter import device
 
@@ -51,7 +50,11 @@ class ExpertLoad:
     """The tokens each expert of each MoE layer is routed, counted by hooks on the model's routers."""
 
     def __init__(self, num_layers: int, num_experts: int, model: list):
-        """``num_layers``: megatron's decoder layers (a router numbered past them is an MTP layer's)."""
+        """``num_layers``: megatron's decoder layers (a router numbered past them is an MTP layer's). megatron
+        is imported here, not with the module: ``import adapter`` (which registers this module's patch) must
+        leave megatron unimported, so that the routing sees every megatron module imported."""
+        from megatron.core.transformer.moe.router import TopKRouter
+
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.long, device=device.current_device())
         for chunk in model:
             for module in chunk.modules():

@@ -97,7 +97,7 @@ def test_the_tiny_run_says_nothing_that_does_not_apply_unless_asked_for_everythi
     argv = ["--model", "qwen2.5-tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",
             "--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length",
             "32", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--eval-iters", "0", "--eval-interval", "1000",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--save-interval", "1", "--save"]
+            "--save-interval", "1", "--save"]
     env = {"ADAPTER_BACKEND": "cpu", "CUDA_HOME": str(tmp_path)}
     quiet = launch_script("scripts/pretrain_gpt.py", [*argv, tmp_path / "quiet"], env=env)
     assert [status for status, _ in quiet] == [0, 0], quiet[0][1][-3000:]
