@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import re
 import shutil
 from pathlib import Path
 
@@ -81,6 +82,17 @@ def logged_losses(results: list[dict], name: str = "lm loss") -> dict[int, float
     curves = [c for c in curves if c]
     assert curves, "no rank logged " + name
     return curves[-1]
+
+
+def printed_losses(results: list[dict], name: str) -> dict[int, float]:
+    """iteration -> ``name`` as megatron's iteration lines printed it (averaged over --log-interval), from
+    whichever rank printed them: for the losses megatron adds to its line but not to the step's loss dict (the
+    MTP layers' "mtp_1 loss", ...)."""
+    pattern = re.compile(r"\] iteration +(\d+)/.*\| " + re.escape(name) + r": ([^ |]+)")
+    found = (pattern.search(line) for r in results for line in r["stdout"].splitlines())
+    curve = {int(match[1]): float(match[2]) for match in found if match}
+    assert curve, "no rank printed " + name
+    return curve
 
 
 def stopped_at(saved: Path, iteration: int, into: Path) -> Path:
