@@ -214,6 +214,17 @@ def _falls(results: list[dict]) -> dict[int, float]:
 
 
 EP2 = [*TINY, "--expert-model-parallel-size", "2"]
+# what the one flow says of --model deepseek-v3-tiny (flow/model_flags.py)
+NO_FLAG = ("the one flow refuses --model deepseek-v3-tiny in one line: its original_max_position_embeddings (64) "
+           "has no Megatron-LM flag, and megatron builds MLATransformerConfig with 4096")
+
+
+@pytest.mark.xfail(strict=True, reason=NO_FLAG)
+def test_the_flow_takes_deepseek_v3_tiny():
+    """What the training tests below first need, in the test's own process: --model deepseek-v3-tiny as flags."""
+    from flow import model_flags
+
+    assert "--multi-latent-attention" in model_flags.expand(TINY)
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +235,7 @@ def ep2_curve() -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.megatron_training
+@pytest.mark.xfail(strict=True, reason=NO_FLAG)
 @pytest.mark.parametrize("world, layout", [
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), (2, ["--pipeline-model-parallel-size", "2"]),
     (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"])],
@@ -237,6 +249,7 @@ def test_deepseek_v3_tiny_trains_through_the_flow(world, layout, ep2_curve):
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.megatron_training
+@pytest.mark.xfail(strict=True, reason=NO_FLAG)
 def test_deepseek_v3_tiny_through_the_npu_provider_gives_the_torch_providers_curve(ep2_curve):
     """EP2 on the npu provider over the torch_npu double (MLA's core attention on npu_fusion_attention with
     its separate key and value head sizes): the torch provider's curve."""
