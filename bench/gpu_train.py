@@ -11,7 +11,7 @@ length, each side in a fresh interpreter (one process, one rank: its memory peak
   SDPA attention, fused ``torch.optim.AdamW``, gradients clipped to norm 1.0.
 
 Both are timed the same way, each step between device synchronisations, over ``--steps`` after
-``--warmup``. Model FLOPs per token are the training log's (``model_flops_per_token``): 6 x matmul parameters
+``--warmup``. Model FLOPs per token are ``flow.model_flops.model_flops_per_token``'s: 6 x matmul parameters
 (output layer included) + 12 x layers x seq x attention width, the full s x s score matrix, not halved for
 causal masking. The device's bf16 matmul peak is a timed ``--peak-size``^3 bf16 ``torch.mm`` (8192 on CUDA).
 Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA, the process's max RSS on the CPU.
@@ -278,7 +278,7 @@ def _row(name: str, side: str, result: dict, base: dict, peak: float) -> dict:
     """One run's figures (bench/gpu_goals.py reads these): tokens/s, against transformers', model FLOP/s,
     its share of the matmul peak, peak memory; or the run's error."""
     import models
-    from adapter.training.training_log import model_flops_per_token
+    from flow.model_flops import model_flops_per_token
 
     if "error" in result:
         return {"model": name, "run": side, "error": result["error"]}

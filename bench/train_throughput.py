@@ -13,7 +13,7 @@ and of the medians are both printed):
   ``torch.optim.AdamW``, gradients clipped to norm 1.0, as ``--clip-grad`` defaults to in the flow):
   forward + backward + clip + step, timed over the same number of iterations after the same warm-up.
 
-Model FLOPs per token are the training log's (``adapter.training.training_log.model_flops_per_token``):
+Model FLOPs per token are ``flow.model_flops.model_flops_per_token``'s:
 6 x matmul parameters + 12 x layers x seq x hidden. The machine's float32 matmul peak is measured here
 too (a square ``torch.mm`` of ``--peak-size``), and the flow's achieved FLOP/s is printed as a share of
 it. Goals: ratio megatron / transformers >= 1.0; above 50% of the matmul peak on this GEMM-bound shape.
@@ -151,7 +151,7 @@ def main(argv=None) -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from adapter.training.training_log import model_flops_per_token
+    from flow.model_flops import model_flops_per_token
 
     kinds = [f"megatron/{p}" for p in args.providers] + ["transformers"]
     with contextlib.ExitStack() as stack:

@@ -9,10 +9,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import re
+import shutil
+from pathlib import Path
 
 import adapter  # noqa: F401 - before megatron
 import torch
 
+from adapter import checkpoint_dir
 from flow import pretrain as flow
 
 
@@ -78,3 +82,24 @@ def logged_losses(results: list[dict], name: str = "lm loss") -> dict[int, float
     curves = [c for c in curves if c]
     assert curves, "no rank logged " + name
     return curves[-1]
+
+
+def printed_losses(results: list[dict], name: str) -> dict[int, float]:
+    """iteration -> ``name`` as megatron's iteration lines printed it (averaged over --log-interval), from
+    whichever rank printed them: for the losses megatron adds to its line but not to the step's loss dict (the
+    MTP layers' "mtp_1 loss", ...)."""
+    pattern = re.compile(r"\] iteration +(\d+)/.*\| " + re.escape(name) + r": ([^ |]+)")
+    found = (pattern.search(line) for r in results for line in r["stdout"].splitlines())
+    curve = {int(match[1]): float(match[2]) for match in found if match}
+    assert curve, "no rank printed " + name
+    return curve
+
+
+def stopped_at(saved: Path, iteration: int, into: Path) -> Path:
+    """A save directory holding only ``saved``'s checkpoint of ``iteration``, as if that run had stopped
+    there: one run gives a reference curve and the checkpoint to resume it from (a save leaves the curve as
+    it is, which the resumed runs then show bit for bit)."""
+    name = checkpoint_dir.checkpoint_name(iteration)
+    shutil.copytree(saved / name, into / name)
+    (into / checkpoint_dir.TRACKER).write_text(str(iteration))
+    return into

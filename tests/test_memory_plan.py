@@ -499,7 +499,7 @@ def test_model_flops_of_a_separate_head_size():
     """PaLM's count: 6 x the matmul parameters a token passes through plus 12 x layers x seq x heads x
     head size; Qwen3-0.6B's attention is 2048 wide, so the projection is 2048 x 1024 and the score and value
     products 2048 wide. The 30B-A3B's tokens pass through 8 of its 128 experts."""
-    from adapter.training.training_log import model_flops_per_token
+    from flow.model_flops import model_flops_per_token
 
     split, _ = _qwen3_06b_layer_parameters()
     assert model_flops_per_token(QWEN3_06B, 4096) == 6 * (28 * split + 151936 * 1024) + 12 * 28 * 4096 * 2048

@@ -1,100 +1,188 @@
-"""Mixture of Experts through the pretrain flow: MoE arguments that cannot run are refused with one message
-each before anything is built; the ones that can reach megatron's TransformerConfig with Megatron-LM's
-meaning; MoE model configs count the parameters megatron builds and Hugging Face's equivalent models hold,
-and route tokens as Hugging Face's routers do; a tiny MoE trained on gloo ranks at EP2 (and EP2 x TP2 with
-sequence parallelism) logs its router losses and expert load, resumes bit-exactly and loads at EP1."""
+"""Mixture of Experts through the one flow (scripts/pretrain_gpt.py on megatron.training's own parser, with the
+adapter's patches): MoE arguments that cannot run are refused with one line each before anything is built; the
+ones that can reach megatron's TransformerConfig with Megatron-LM's meaning; MoE model configs count the
+parameters megatron builds and Hugging Face's equivalent models hold, and route tokens as Hugging Face's
+routers do; a tiny MoE trained on gloo ranks at EP2 (and EP2 x TP2 with sequence parallelism) logs its router
+losses and expert load and resumes bit-exactly (loading it at EP1, which megatron.training cannot, is xfail)."""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import re
+import sys
 
 import pytest
 import torch
 
 import models
-from adapter.training.arguments import moe_freq_type, parse_args, validate_args
-from tests.distributed import run_ranks
-from tests.pretrain_ranks import run_pretrain_printing, stopped_at
-from tests.test_arguments import BASE, assert_refused
+from adapter.cuda_only_features import RefusedSetting
+from flow import model_flags
+from tests.distributed import RankFailure, run_ranks
+from tests.flow_ranks import logged_losses, run_pretrain, stopped_at
+from tests.test_flow_arguments import BARE, BASE, parse_as_the_flow
 from tests.test_memory_plan import QWEN2_57B
 
 MOE = ["--model", "gpt-tiny-moe", *BASE]
 DENSE = ["--model", "gpt-tiny", *BASE]
 # a MoE model from architecture arguments: Megatron-LM's default linear biases, 4 experts
-BARE_MOE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
-            "--seq-length", "32", "--vocab-size", "256", "--num-experts", "4", *BASE]
+BARE_MOE = [*BARE, "--num-experts", "4"]
+SIX = ["--global-batch-size", "6"]  # divisible at 3 ranks
 
-# (arguments, world size, the message's start)
+# megatron.training's parser and TransformerConfig take these; the adapter has no check that says them in one line
+TAKEN = "megatron.training takes it (validate_args and TransformerConfig do not check it); no adapter refusal"
+
+
+def _taken(argv: list[str], world: int, line: str):
+    return pytest.param(argv, world, line, marks=pytest.mark.xfail(strict=True, reason=TAKEN), id=line[:50])
+
+
+# (arguments, world size, the line's start); the old loop's lines where the one flow takes the arguments
 REFUSED = [
-    ([*MOE, "--expert-model-parallel-size", "3"], 3, "expert parallel size 3 does not divide num_experts=8"),
-    ([*MOE, "--expert-model-parallel-size", "4"], 2,
-     "world size 2 is not divisible by expert tensor (1) x expert (4) x pipeline (1) parallel = 4"),
-    ([*MOE, "--expert-model-parallel-size", "0"], 2, "--expert-model-parallel-size 0: must be positive"),
-    ([*MOE, "--expert-tensor-parallel-size", "3"], 3,
-     "expert tensor parallel size 3 does not divide expert_ffn_hidden_size=64"),
+    ([*MOE, "--expert-model-parallel-size", "3", *SIX], 3,
+     "--expert-model-parallel-size 3, --num-experts 8: Number of experts should be a multiple of expert model "
+     "parallel_size."),
+    _taken([*MOE, "--expert-model-parallel-size", "4"], 2,
+           "world size 2 is not divisible by expert tensor (1) x expert (4) x pipeline (1) parallel = 4"),
+    _taken([*MOE, "--expert-model-parallel-size", "0"], 2, "--expert-model-parallel-size 0: must be positive"),
+    _taken([*MOE, "--expert-tensor-parallel-size", "3", *SIX], 3,
+           "expert tensor parallel size 3 does not divide expert_ffn_hidden_size=64"),
     ([*BARE_MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
-     "expert tensor parallel size 2 with add_bias_linear=True"),
-    ([*MOE, "--tensor-model-parallel-size", "2"], 2, "a MoE model at TP 2 needs --sequence-parallel"),
-    ([*MOE, "--num-experts", "-1"], 2, "--num-experts -1: must be zero or more"),
-    ([*MOE, "--moe-router-topk", "9"], 2, "moe_router_topk=9 exceeds num_experts=8"),
-    ([*MOE, "--moe-router-topk", "1"], 2, "moe_router_topk=1 with the softmax after the top-k"),
+     "without --disable-bias-linear, --expert-tensor-parallel-size 2: Bias in Moe is only supported when ETP==1"),
+    _taken([*MOE, "--tensor-model-parallel-size", "2"], 2, "a MoE model at TP 2 needs --sequence-parallel"),
+    pytest.param([*MOE, "--num-experts", "-1"], 2, "--num-experts -1: must be zero or more",
+                 marks=pytest.mark.xfail(strict=True, reason="refused in one line by megatron's TransformerConfig, "
+                                                             "which names neither the flag nor the value"),
+                 id="--num-experts -1"),
+    _taken([*MOE, "--moe-router-topk", "9"], 2, "moe_router_topk=9 exceeds num_experts=8"),
+    ([*MOE, "--moe-router-topk", "1"], 2,
+     "--moe-router-topk 1, --moe-router-score-function softmax, without --moe-router-pre-softmax, "
+     "--moe-router-load-balancing-type aux_loss: Please use --moe-router-pre-softmax when topk is 1."),
     ([*MOE, "--moe-router-enable-expert-bias"], 2,
-     "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid'"),
-    ([*MOE, "--moe-router-topk-scaling-factor", "0"], 2, "moe_router_topk_scaling_factor=0.0: must be positive"),
-    ([*MOE, "--moe-layer-freq", "[1,0]"], 2,
-     "moe_layer_freq=[1, 0]: a pattern needs one 0 (dense) or 1 (MoE) per layer, 4 in all"),
-    ([*MOE, "--moe-shared-expert-gate"], 2, "moe_shared_expert_gate=True without a shared expert"),
-    ([*MOE, "--moe-shared-expert-overlap"], 2, "--moe-shared-expert-overlap without a shared expert"),
+     "--moe-router-enable-expert-bias, --moe-router-score-function softmax: Expert bias for aux-loss-free routing "
+     "only supports 'sigmoid' and 'sqrtsoftplus' score functions."),
+    _taken([*MOE, "--moe-router-topk-scaling-factor", "0"], 2, "moe_router_topk_scaling_factor=0.0: must be positive"),
+    _taken([*MOE, "--moe-layer-freq", "[1,0]"], 2,
+           "moe_layer_freq=[1, 0]: a pattern needs one 0 (dense) or 1 (MoE) per layer, 4 in all"),
+    _taken([*MOE, "--moe-shared-expert-gate"], 2, "moe_shared_expert_gate=True without a shared expert"),
+    _taken([*MOE, "--moe-shared-expert-overlap"], 2, "--moe-shared-expert-overlap without a shared expert"),
     (["--model", "gpt-tiny-moe-shared", *BASE, "--moe-shared-expert-overlap"], 2,
-     "--moe-shared-expert-overlap runs the shared expert during the all-to-all, which the allgather dispatcher"),
+     "--moe-shared-expert-overlap, --moe-token-dispatcher-type allgather: moe_shared_expert_overlap only works "
+     "with alltoall or flex token dispatcher."),
     ([*MOE, "--moe-pad-expert-input-to-capacity"], 2,
-     "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
+     "--moe-expert-capacity-factor unset: moe_expert_capacity_factor must be set to use "
+     "moe_pad_expert_input_to_capacity"),
     ([*MOE, "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01"], 2,
-     "--moe-router-load-balancing-type aux_loss seq_aux_loss with --moe-aux-loss-coeff 0.01: give one coefficient"),
-    ([*MOE, "--moe-aux-loss-coeff", "-0.01"], 2, "--moe-aux-loss-coeff -0.01: must be zero or more"),
+     "--moe-router-load-balancing-type aux_loss seq_aux_loss, --moe-aux-loss-coeff 0.01: moe_aux_loss_coeff must "
+     "be a list of the same length as moe_router_load_balancing_type"),
+    _taken([*MOE, "--moe-aux-loss-coeff", "-0.01"], 2, "--moe-aux-loss-coeff -0.01: must be zero or more"),
+    # the model's one coefficient (Qwen3-MoE's 0.001) with two types
     (["--model", "qwen3-moe-tiny", *BASE, "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], 2,
-     "--moe-router-load-balancing-type aux_loss seq_aux_loss with the model's one aux-loss coefficient (0.001): "
-     "give one coefficient per type"),
-    ([*DENSE, "--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size for a dense model: pass "
-                                                        "--num-experts N (or a MoE --model), or drop it"),
-    ([*DENSE, "--moe-aux-loss-coeff", "0.01", "--moe-grouped-gemm"], 2,
-     "--moe-aux-loss-coeff, --moe-grouped-gemm for a dense model"),
-    ([*DENSE, "--moe-router-topk", "4"], 2, "moe_router_topk=4 on a dense model (num_experts=None)"),
+     "--moe-router-load-balancing-type aux_loss seq_aux_loss, --moe-aux-loss-coeff 0.001: moe_aux_loss_coeff must "
+     "be a list of the same length as moe_router_load_balancing_type"),
+    ([*DENSE, "--expert-model-parallel-size", "2"], 2,
+     "--expert-model-parallel-size 2, --num-experts unset: num_experts must be non None to use expert model "
+     "parallelism"),
+    _taken([*DENSE, "--moe-aux-loss-coeff", "0.01", "--moe-grouped-gemm"], 2,
+           "--moe-aux-loss-coeff, --moe-grouped-gemm for a dense model"),
+    _taken([*DENSE, "--moe-router-topk", "4"], 2, "moe_router_topk=4 on a dense model (num_experts=None)"),
 ]
 
 
-@pytest.mark.parametrize("argv, world, message", REFUSED, ids=[m[:50] for _, _, m in REFUSED])
-def test_each_moe_refusal_names_the_value_and_the_fix(argv, world, message):
-    assert_refused(argv, world, message)
+@pytest.fixture
+def parse(monkeypatch):
+    """``parse_as_the_flow`` (tests/test_flow_arguments.py) at a world size, megatron.training's globals it
+    sets (arguments, tokenizer, micro-batch calculator) unset after each parse; CUDA_DEVICE_MAX_CONNECTIONS,
+    which validate_args sets off CUDA, restored (see tests/test_input_refusals.py)."""
+    from megatron.core import num_microbatches_calculator
+    from megatron.training import global_vars
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+    def parsed(argv: list[str], world: int):
+        try:
+            return parse_as_the_flow(monkeypatch, argv, world)
+        finally:
+            global_vars.unset_global_variables()
+            num_microbatches_calculator.unset_num_microbatches_calculator()
+
+    return parsed
 
 
-def test_moe_arguments_over_a_named_model():
-    args = validate_args(parse_args([*MOE, "--moe-layer-freq", "([0]+[1]*1)*2", "--moe-router-topk", "4",
-                                     "--expert-model-parallel-size", "2"]), 2)
-    assert args.model_config == models.get("gpt-tiny-moe", moe_layer_freq=(0, 1, 0, 1), moe_router_topk=4)
+REFUSED = [row if hasattr(row, "marks") else pytest.param(*row, id=row[2][:50]) for row in REFUSED]
+
+
+@pytest.mark.parametrize("argv, world, line", REFUSED)
+def test_each_moe_refusal_is_one_line_naming_the_value(parse, capsys, argv, world, line):
+    with pytest.raises(RefusedSetting) as refused:
+        parse(argv, world)
+    assert str(refused.value).startswith(line) and "\n" not in str(refused.value), str(refused.value)
+    assert "usage:" not in capsys.readouterr().err
+
+
+def _fields(config) -> dict:
+    """A GPT model config's plain settings, its TransformerConfig's too (functions and process groups left out)."""
+    plain = (int, float, str, bool, list, tuple, type(None))
+
+    def settings(fields) -> dict:
+        return {f.name: getattr(fields, f.name) for f in dataclasses.fields(fields)
+                if isinstance(getattr(fields, f.name), plain)}
+
+    return {**settings(config), **settings(config.transformer)}
+
+
+def test_moe_arguments_over_a_named_model(parse):
+    """--moe-layer-freq and --moe-router-topk over --model gpt-tiny-moe: the config of that model with the two
+    changed (as its own flags give it); EP2 at 2 ranks leaves the dense part DP2."""
+    args, config = parse([*MOE, "--moe-layer-freq", "([0]+[1]*1)*2", "--moe-router-topk", "4",
+                          "--expert-model-parallel-size", "2"], 2)
     assert (args.expert_tensor_parallel_size, args.data_parallel_size) == (1, 2)
-    # Megatron-LM's --num-experts 0: a dense model, the named model's expert settings dropped
-    dense = validate_args(parse_args([*MOE, "--num-experts", "0"]), 2).model_config
-    assert dense.num_experts is None and dense.num_parameters() == models.get("gpt-tiny").replace(
-        vocab_size=512, max_position_embeddings=64, seq_length=64).num_parameters()
+    changed = models.get("gpt-tiny-moe", moe_layer_freq=(0, 1, 0, 1), moe_router_topk=4)
+    _, want = parse([*model_flags.flow_flags(changed), *BASE, "--expert-model-parallel-size", "2"], 2)
+    assert (config.moe_layer_freq, config.moe_router_topk, config.num_moe_experts) == ([0, 1, 0, 1], 4, 8)
+    assert _fields(config) == _fields(want)
+
+
+@pytest.mark.xfail(strict=True, reason="megatron's TransformerConfig refuses --num-experts 0 over the named model's "
+                                       "--moe-ffn-hidden-size (moe_ffn_hidden_size is set but num_moe_experts is None)")
+def test_num_experts_0_makes_a_named_moe_model_dense(parse):
+    """Megatron-LM's --num-experts 0: a dense model, the named model's expert settings dropped."""
+    _, dense = parse([*MOE, "--num-experts", "0"], 2)
+    assert dense.num_moe_experts is None and dense.moe_ffn_hidden_size is None
+
+
+def _layer_freq(monkeypatch, text: str):
+    """--moe-layer-freq ``text`` as megatron.training's parser, with the adapter's patches, reads it."""
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--moe-layer-freq", text])
+    return parse_args().moe_layer_freq
 
 
 @pytest.mark.parametrize("text, pattern", [
     ("2", 2), ("([0]+[1]*3)*2", [0, 1, 1, 1, 0, 1, 1, 1]), ("[1,0]*2", [1, 0, 1, 0]), ("2*[1]+[0]", [1, 1, 0]),
-    (" [1, 1] ", [1, 1]),
+    pytest.param(" [1, 1] ", [1, 1], marks=pytest.mark.xfail(
+        strict=True, reason="megatron's moe_freq_type takes no spaces: argparse's usage error")),
 ])
-def test_moe_layer_freq_reads_megatron_lm_patterns(text, pattern):
-    assert moe_freq_type(text) == pattern
+def test_moe_layer_freq_reads_megatron_lm_patterns(monkeypatch, text, pattern):
+    assert _layer_freq(monkeypatch, text) == pattern
+
+
+# megatron's moe_freq_type evals any text of digits, brackets, commas, + and *
+EVALUATED = "megatron's moe_freq_type evals any text of digits, brackets, commas, + and *, whatever list it makes"
+HUGE = EVALUATED + ": not run, it would build the list"
 
 
 @pytest.mark.parametrize("text", [
-    "[__import__('os').system('true')]", "[1]*10**9", "[1]*1000000", "[[1]]", "[1]+1", "[1]*[2]", "[x for x in (1,)]",
-    "[1.5]", "one", "[1]*2*3*4*5*6*7*8*9*10*11",
+    "[__import__('os').system('true')]", pytest.param("[1]*10**9", marks=pytest.mark.xfail(run=False, reason=HUGE)),
+    pytest.param("[1]*1000000", marks=pytest.mark.xfail(strict=True, reason=EVALUATED)),
+    pytest.param("[[1]]", marks=pytest.mark.xfail(strict=True, reason=EVALUATED)), "[1]+1", "[1]*[2]",
+    "[x for x in (1,)]", "[1.5]", "one",
+    pytest.param("[1]*2*3*4*5*6*7*8*9*10*11", marks=pytest.mark.xfail(run=False, reason=HUGE)),
 ])
-def test_moe_layer_freq_evaluates_nothing_but_lists_of_ints(text):
-    with pytest.raises(argparse.ArgumentTypeError):
-        moe_freq_type(text)
+def test_moe_layer_freq_evaluates_nothing_but_lists_of_ints(monkeypatch, text):
+    with pytest.raises(RefusedSetting) as refused:
+        _layer_freq(monkeypatch, text)
+    assert str(refused.value).startswith("argument --moe-layer-freq: invalid moe_freq_type value")
 
 
 @pytest.fixture(scope="module")
@@ -107,19 +195,15 @@ def one_rank():
         yield
 
 
-def test_moe_arguments_reach_the_transformer_config(one_rank):
+def test_moe_arguments_reach_the_transformer_config(parse):
     """Each MoE argument arrives as the TransformerConfig field of Megatron-LM's name, with its value."""
-    from adapter.training.pretrain import transformer_config_overrides
-    from models.provider import transformer_config
-
     argv = ["--model", "gpt-tiny-moe-shared", *BASE, "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
             "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.02",
             "--moe-z-loss-coeff", "0.001", "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
             "--moe-token-drop-policy", "position", "--moe-router-dtype", "fp32", "--moe-per-layer-logging",
             "--moe-router-topk-scaling-factor", "2.5", "--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-overlap",
             "--moe-router-bias-update-rate", "0.01", "--moe-permute-fusion"]
-    args = validate_args(parse_args(argv), 1)
-    config = transformer_config(args.model_config, **transformer_config_overrides(args))
+    _, config = parse(argv, 1)
     expected = dict(
         num_moe_experts=8, moe_ffn_hidden_size=64, moe_router_topk=2, moe_layer_freq=[0, 1, 1, 1],
         moe_shared_expert_intermediate_size=128, moe_shared_expert_gate=True, moe_router_pre_softmax=True,
@@ -138,15 +222,11 @@ def test_moe_arguments_reach_the_transformer_config(one_rank):
     ("qwen3-moe-tiny", ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff",
                         "0.01", "0.02"], [0.01, 0.02]),
 ], ids=["qwen3-30b-a3b", "qwen3-moe-tiny", "published without", "given", "given 0", "one per type"])
-def test_the_aux_loss_coefficient_is_the_named_models_unless_given(one_rank, name, given, coeff):
+def test_the_aux_loss_coefficient_is_the_named_models_unless_given(parse, name, given, coeff):
     """Without --moe-aux-loss-coeff a named MoE model trains with the coefficient it was published with
     (Qwen3-MoE's router_aux_loss_coef, 1e-3; a model without one, 0 as Megatron-LM's default); a given one wins."""
-    from adapter.training.pretrain import transformer_config_overrides
-    from models.provider import transformer_config
-
-    args = validate_args(parse_args(["--model", name, *BASE, *given]), 1)
-    assert args.moe_aux_loss_coeff == coeff
-    assert transformer_config(args.model_config, **transformer_config_overrides(args)).moe_aux_loss_coeff == coeff
+    args, config = parse(["--model", name, *BASE, *given], 1)
+    assert args.moe_aux_loss_coeff == coeff and config.moe_aux_loss_coeff == coeff
 
 
 def _megatron_parameters(model, **settings) -> int:
@@ -272,28 +352,35 @@ def _argv(iters: int, ep: int, tp: int = 1, *extra: str) -> list[str]:
 
 
 def _logged(results: list[dict]) -> tuple[dict[int, float], str]:
-    """(iteration -> lm loss of the rank that logged (the last), what every rank printed)."""
-    losses = {entry["iteration"]: entry["lm loss"] for entry in results[-1]["train"]}
-    return losses, "".join(result["stdout"] for result in results)
+    """(iteration -> lm loss of the rank that logged it, what every rank printed)."""
+    return logged_losses(results), "".join(result["stdout"] for result in results)
+
+
+def _fields_of(line: str) -> dict[str, str]:
+    return dict(field.strip().split(": ", 1) for field in line.strip(" |").split(" | ") if ": " in field)
 
 
 def _check_moe_logs(printed: str, iterations: int, tensorboard) -> None:
-    """Each iteration line carries the router losses (Megatron-LM's names) and the expert load, and
-    TensorBoard the same, per layer too (--moe-per-layer-logging): each layer's tokens shared out over its
-    experts."""
+    """Each of megatron's iteration lines carries the router losses (Megatron-LM's names) and the adapter's line
+    after it the expert load, and TensorBoard the same (each iteration's own), per layer too
+    (--moe-per-layer-logging): each layer's tokens shared out over its experts."""
     from scripts.plot_loss import read_scalars
 
     scalars = {tag: dict(values) for tag, values in read_scalars(tensorboard).items()}
-    lines = [line for line in printed.splitlines() if line.startswith(" iteration")]
-    assert len(lines) == iterations, printed[-3000:]
-    for iteration, line in enumerate(lines, start=1):
-        fields = dict(field.strip().split(": ", 1) for field in line.strip(" |").split(" | ") if ": " in field)
+    lines = [line for line in printed.splitlines() if re.search(r"\] iteration +\d+/", line)]
+    loads = [line for line in printed.splitlines() if line.startswith("[adapter] iteration")]
+    assert len(lines) == len(loads) == iterations, printed[-3000:]
+    for iteration, (line, load_line) in enumerate(zip(lines, loads), start=1):
+        fields = _fields_of(line)
         assert 0.5 < float(fields["load_balancing_loss"]) < 2.0  # 1 when the experts are evenly loaded
         assert float(fields["z_loss"]) > 0
-        load = re.fullmatch(r"([0-9.]+) \(worst: layer (\d) ([0-9.]+)\)", fields["expert load max/mean"])
+        load = re.fullmatch(r"([0-9.]+) \(worst: layer (\d) ([0-9.]+)\)", _fields_of(load_line)["expert load max/mean"])
         assert 1.0 <= float(load[1]) <= float(load[3]) <= 8.0  # max/mean tokens per expert, of 8 experts
+        # megatron logs iteration 1 without resetting its sums: the line of 2 is the mean over 1 and 2
+        covered = [1, 2] if iteration == 2 else [iteration]
         for name in ("load_balancing_loss", "z_loss"):
-            assert scalars[name][iteration] == pytest.approx(float(fields[name]), rel=1e-5)
+            assert sum(scalars[name][i] for i in covered) / len(covered) == pytest.approx(float(fields[name]),
+                                                                                         rel=1e-5)
             assert sum(scalars[f"moe/{name}_layer_{layer}"][iteration] for layer in range(4)) / 4 == pytest.approx(
                 scalars[name][iteration], rel=1e-5)
         assert scalars["expert-load-max-over-mean"][iteration] == pytest.approx(float(load[1]), abs=1e-3)
@@ -305,33 +392,53 @@ def _check_moe_logs(printed: str, iterations: int, tensorboard) -> None:
                 scalars[f"moe/expert_load_max_over_mean_layer_{layer}"][iteration], rel=1e-5)
 
 
+EXPERTS = pytest.mark.parametrize("experts", [(), ("--moe-grouped-gemm",)], ids=["sequential", "grouped"])
+
+
+def _ep2_reference(tmp_path, experts: tuple, *extra: str) -> tuple[dict[int, float], str, object]:
+    """EP2 over 8 iterations saved at 4: (its curve, what its ranks printed, a save directory stopped at 4)."""
+    saved = tmp_path / "saved"
+    reference, printed = _logged(run_ranks(2, run_pretrain, _argv(8, 2, 1, "--save", str(saved), "--save-interval",
+                                                                  "4", *extra, *experts)))
+    assert sorted(reference) == list(range(1, 9)) and reference[8] < reference[1] - 0.3
+    return reference, printed, stopped_at(saved, 4, tmp_path / "checkpoints")
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("experts", [(), ("--moe-grouped-gemm",)], ids=["sequential", "grouped"])
-def test_ep2_trains_logs_resumes_bit_exactly_and_loads_at_ep1_and_back(tmp_path, experts):
+@pytest.mark.megatron_training
+@EXPERTS
+def test_ep2_trains_logs_and_resumes_bit_exactly(tmp_path, experts):
     """EP2 (x DP2 for the dense part) on 2 ranks: the loss falls and the lines carry the router losses and
-    expert load; stopped at 4 and resumed, the curve is the uninterrupted one bit for bit; loaded on one
-    rank (EP1, DP1: all 8 experts and the whole batch there), and from there back at EP2, it continues it up
-    to reduction order. ``grouped``: the same with the grouped experts (one parameter per projection, each
-    expert's tensors and Adam states checkpointed on their own)."""
-    tensorboard, saved = tmp_path / "tensorboard", tmp_path / "saved"
-    reference, printed = _logged(run_ranks(2, run_pretrain_printing, _argv(
-        8, 2, 1, "--tensorboard-dir", str(tensorboard), "--moe-per-layer-logging", "--save", str(saved),
-        "--save-interval", "4", *experts)))
-    assert sorted(reference) == list(range(1, 9)) and reference[8] < reference[1] - 0.3
+    expert load; stopped at 4 and resumed, the curve is the uninterrupted one bit for bit. ``grouped``: the
+    same with the grouped experts (one parameter per projection)."""
+    tensorboard = tmp_path / "tensorboard"
+    reference, printed, checkpoints = _ep2_reference(tmp_path, experts, "--tensorboard-dir", str(tensorboard),
+                                                     "--moe-per-layer-logging")
     _check_moe_logs(printed, 8, tensorboard)
-    checkpoints = stopped_at(saved, 4, tmp_path / "checkpoints")
-    resumed, printed = _logged(run_ranks(2, run_pretrain_printing, _argv(8, 2, 1, "--load", str(checkpoints),
-                                                                         *experts)))
-    assert f"loaded {checkpoints / 'iter_0000004'} (iteration 4)" in printed
+    resumed, printed = _logged(run_ranks(2, run_pretrain, _argv(8, 2, 1, "--load", str(checkpoints), *experts)))
+    assert f"successfully loaded checkpoint from {checkpoints}" in printed and "at iteration 4" in printed
     assert resumed == {i: reference[i] for i in range(5, 9)}
-    # megatron gives the experts an optimizer of their own at EP > 1 only: the saved param groups are fitted
-    at_ep1, printed = _logged(run_ranks(1, run_pretrain_printing, _argv(
-        8, 1, 1, "--load", str(checkpoints), "--save", str(tmp_path / "at_ep1"), "--exit-interval", "6", *experts)))
-    assert "RNG states not restored" in printed
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.megatron_training
+@pytest.mark.xfail(strict=True, reason="megatron.training cannot load an EP2 checkpoint at EP1: at EP > 1 the experts "
+                                       "have an optimizer of their own (a ChainedOptimizer, chained_0/1), whose state "
+                                       "keys the EP1 optimizer does not find (KeyError in load_checkpoint)",
+                   raises=RankFailure)
+@EXPERTS
+def test_an_ep2_checkpoint_loads_at_ep1_and_back(tmp_path, experts):
+    """EP2's checkpoint at 4 loaded on one rank (EP1, DP1: all 8 experts and the whole batch there), and from
+    there back at EP2: the run continues EP2's curve up to reduction order. ``grouped``: each expert's tensors
+    and Adam states checkpointed on their own."""
+    reference, _, checkpoints = _ep2_reference(tmp_path, experts)
+    at_ep1, _ = _logged(run_ranks(1, run_pretrain, _argv(8, 1, 1, "--load", str(checkpoints), "--save", str(
+        tmp_path / "at_ep1"), "--save-interval", "6", "--exit-interval", "6", *experts)))
     assert sorted(at_ep1) == [5, 6]
-    back_at_ep2, _ = _logged(run_ranks(2, run_pretrain_printing, _argv(8, 2, 1, "--load", str(tmp_path / "at_ep1"),
-                                                                       *experts)))
+    back_at_ep2, _ = _logged(run_ranks(2, run_pretrain, _argv(8, 2, 1, "--load", str(tmp_path / "at_ep1"),
+                                                               *experts)))
     assert sorted(back_at_ep2) == [7, 8]
     for i, loss in {**at_ep1, **back_at_ep2}.items():
         assert loss == pytest.approx(reference[i], abs=2e-4)
@@ -339,12 +446,13 @@ def test_ep2_trains_logs_resumes_bit_exactly_and_loads_at_ep1_and_back(tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.megatron_training
 def test_ep2_tp2_with_sequence_parallel_trains_and_resumes_bit_exactly(tmp_path):
     """4 ranks: TP2 x DP2 for the dense part, EP2 x expert TP2 for the experts, sequence parallel."""
     saved = tmp_path / "saved"
-    reference, _ = _logged(run_ranks(4, run_pretrain_printing, _argv(6, 2, 2, "--save", str(saved),
+    reference, _ = _logged(run_ranks(4, run_pretrain, _argv(6, 2, 2, "--save", str(saved),
                                                                      "--save-interval", "3")))
     assert reference[6] < reference[1]
-    resumed, _ = _logged(run_ranks(4, run_pretrain_printing, _argv(6, 2, 2, "--load",
+    resumed, _ = _logged(run_ranks(4, run_pretrain, _argv(6, 2, 2, "--load",
                                                                    str(stopped_at(saved, 3, tmp_path / "at3")))))
     assert resumed == {i: reference[i] for i in range(4, 7)}

@@ -16,8 +16,8 @@ from tests.distributed import run_ranks
 
 _ARGV = ["--model", "qwen2.5-tiny", "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length", "64",
          "--train-iters", "6", "--lr", "3e-3", "--lr-decay-style", "constant", "--mock-data", "--log-interval", "1",
-         "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--use-distributed-optimizer",
-         "--seed", "7", "--save-interval", "3"]
+         "--eval-interval", "1000", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--use-distributed-optimizer", "--seed", "7", "--save-interval", "3"]
 
 
 @pytest.mark.parametrize("backend, ranks, asked, made", [
@@ -227,26 +227,27 @@ def _gloo_threads() -> int:
 
 
 def train_counting_gloo_threads(gloo_groups: bool, save: str, extra: list[str]) -> dict:
-    """The flow at one rank with the distributed optimizer and a save at step 3, given ``extra`` arguments;
-    ``gloo_groups``: megatron's one-rank groups stay gloo's (the reference). Two intra-op threads, whatever
-    the machine has: a team needs two."""
+    """scripts/pretrain_gpt.py's pretrain (megatron.training's) at one rank with the distributed optimizer
+    and a save at step 3, given ``extra`` arguments; ``gloo_groups``: megatron's one-rank groups stay gloo's
+    (the reference). Two intra-op threads, whatever the machine has: a team needs two."""
     import torch
 
+    from megatron.training import training
+
     from adapter import one_rank_groups
-    from adapter.training import pretrain as flow
-    from tests.pretrain_ranks import logged_losses, run_pretrain
+    from tests.flow_ranks import logged_losses, run_pretrain
 
     torch.set_num_threads(2)
     if gloo_groups:
         os.environ[one_rank_groups.SETTING] = "none"
-    counted, train_step = [], flow.train_step
+    counted, train_step = [], training.train_step
 
     def step(*args, **kwargs):
         if not counted:
             counted.append(_gloo_threads())
         return train_step(*args, **kwargs)
 
-    flow.train_step = step
+    training.train_step = step
     losses = logged_losses([run_pretrain([*_ARGV, "--save", save, *extra])])
     return {"losses": losses, "started": _gloo_threads() - counted[0]}
 
@@ -255,7 +256,9 @@ def train_counting_gloo_threads(gloo_groups: bool, save: str, extra: list[str]) 
 _OVERLAPPED = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.megatron_training
 @pytest.mark.parametrize("extra", [[], _OVERLAPPED], ids=["synchronous", "overlapped"])
 def test_one_rank_distributed_optimizer_keeps_gloo_threads_idle_and_the_curve_exact(tmp_path, extra):
     [mine] = run_ranks(1, train_counting_gloo_threads, False, str(tmp_path / "mine"), extra)
