@@ -9,10 +9,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import shutil
+from pathlib import Path
 
 import adapter  # noqa: F401 - before megatron
 import torch
 
+from adapter import checkpoint_dir
 from flow import pretrain as flow
 
 
@@ -69,6 +72,32 @@ def run_pretrain(argv: list[str], keep_group: bool = False) -> dict:
     if not keep_group and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return history
+
+
+def run_pretrain_keeping_setup(argv: list[str], keep_group: bool = False) -> tuple[dict, tuple]:
+    """As run_pretrain, and what megatron.training's ``setup_model_and_optimizer`` built: (model chunks,
+    optimizer, scheduler); with ``keep_group`` the process group stays for the caller's own work on them."""
+    from megatron.training import training
+
+    built, setup = [], training.setup_model_and_optimizer
+
+    def kept_setup(*args, **kwargs):
+        built.append(setup(*args, **kwargs))
+        return built[-1]
+
+    training.setup_model_and_optimizer = kept_setup
+    try:
+        return run_pretrain(argv, keep_group), built[0]
+    finally:
+        training.setup_model_and_optimizer = setup
+
+
+def stopped_at(saved: Path, iteration: int, into: Path) -> Path:
+    """A save directory holding only ``saved``'s checkpoint of ``iteration``, as if that run had stopped
+    there: one run gives a reference curve and the checkpoint to resume it from."""
+    shutil.copytree(saved / checkpoint_dir.checkpoint_name(iteration), into / checkpoint_dir.checkpoint_name(iteration))
+    (into / checkpoint_dir.TRACKER).write_text(str(iteration))
+    return into
 
 
 def logged_losses(results: list[dict], name: str = "lm loss") -> dict[int, float]:
