@@ -111,7 +111,8 @@ def test_offloading_on_a_real_cpu_run_is_refused_in_megatron_cores_line():
 
 
 @on_cpu
-def test_offloading_float32_parameters_is_refused_in_megatron_cores_line():
+def test_offloading_float32_parameters_is_refused_in_megatron_cores_line(monkeypatch):
+    monkeypatch.setenv(host_memory.STAND_IN_ENV, "1")  # megatron-core's line here as the ranks' under the stand-in
     float32 = [arg for arg in ARGV if arg != "--bf16"]
     line = _refused_line([*float32, *OPTIMIZER_OFFLOAD, "1.0"], True)
     assert line == _megatron_core_refusal() and "--bf16" in line
@@ -119,7 +120,9 @@ def test_offloading_float32_parameters_is_refused_in_megatron_cores_line():
 
 @pytest.mark.parametrize("argv, line", [
     (["--optimizer-cpu-offload"], "--optimizer-cpu-offload, without --use-precision-aware-optimizer"),
-    ([*OPTIMIZER_OFFLOAD, "1.5"], "--optimizer-offload-fraction 1.5"),
+    pytest.param([*OPTIMIZER_OFFLOAD, "1.5"], "--optimizer-offload-fraction 1.5", marks=pytest.mark.xfail(
+        strict=True, reason="megatron.training trains with --optimizer-offload-fraction 1.5 (neither its "
+                            "validate_args nor megatron-core checks the share); the old flow refused it")),
     (["--fine-grained-activation-offloading"], "--offload-modules"),
     (["--fine-grained-activation-offloading", "--offload-modules", "attn_proj"],
      "attn_proj cannot be set to offload_modules alone without core_attn"),
