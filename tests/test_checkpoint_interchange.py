@@ -138,8 +138,8 @@ def test_a_checkpoint_of_another_vocabulary_is_refused_in_one_line_naming_the_nu
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.megatron_training
-@pytest.mark.xfail(strict=True, reason="megatron.training loads dp_reshardable optimizer state at another TP "
-                                       "without the old flow's one-line refusal")
+@pytest.mark.xfail(strict=True, reason="megatron.training's load_checkpoint raises RuntimeError ((TP, PP) mismatch "
+                                       "... dp_reshardable) with a traceback, exit 1: not the old flow's one line")
 def test_megatron_lm_s_dp_reshardable_optimizer_state_is_refused_at_another_model_parallel_layout(tmp_path):
     """Megatron-LM's default sharding of the distributed optimizer's state follows its buffers: another DP
     reads it, another TP does not (megatron raises deep in its load): one line naming the way out."""
