@@ -24,7 +24,7 @@ def _members(optimizer) -> list:
     return getattr(optimizer, "chained_optimizers", [optimizer])
 
 
-def _model_and_optimizer_state(model: list, optimizer, scheduler) -> dict:
+def _optimizer_state(optimizer, scheduler) -> dict:
     """Copies of what a checkpoint carries: this rank's shard of the parameters the optimizer steps (the model's
     own Megatron-FSDP holds gathered at a save, sharded after a load), Adam's moments and step, the scheduler's
     step; and the elements of each shard (Megatron-FSDP gives some ranks none of a parameter, and Adam no state
@@ -82,7 +82,7 @@ def megatron_lm_loads_the_flow_checkpoint(argv: list[str], save: str) -> dict:
     at_save, save_checkpoint = {}, training.save_checkpoint
 
     def noted_save(iteration, model, optimizer, scheduler, *args, **kwargs):
-        at_save.update(_model_and_optimizer_state(model, optimizer, scheduler), random=_random_state())
+        at_save.update(_optimizer_state(optimizer, scheduler), random=_random_state())
         return save_checkpoint(iteration, model, optimizer, scheduler, *args, **kwargs)
 
     training.save_checkpoint = noted_save
@@ -94,7 +94,7 @@ def megatron_lm_loads_the_flow_checkpoint(argv: list[str], save: str) -> dict:
     _scramble(model, optimizer, scheduler)
     mlm_args = _megatron_lm_args(argv, save)
     iteration, _ = megatron_lm.load_checkpoint(model, optimizer, scheduler)
-    by_megatron_lm = {**_model_and_optimizer_state(model, optimizer, scheduler), "random": _random_state()}
+    by_megatron_lm = {**_optimizer_state(optimizer, scheduler), "random": _random_state()}
     torch.distributed.destroy_process_group()
     return {"live": at_save, "megatron_lm": by_megatron_lm, "iteration": iteration,
             "consumed": mlm_args.consumed_train_samples}
