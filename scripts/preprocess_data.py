@@ -26,9 +26,19 @@ import adapter  # noqa: E402,F401 - before megatron: its warning filters (adapte
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from adapter.training.tokenizer import LIBRARIES, build_tokenizer  # noqa: E402
+from megatron.core.tokenizers.utils import build_tokenizer as megatron_tokenizers  # noqa: E402
 
 _TOKENIZER = None  # each worker process's own
+# the tokenizers this script takes (megatron's other types need vocabulary files or a hub), by the file they read
+TOKENIZER_FILES = {"SentencePieceTokenizer": "file", "GPTSentencePieceTokenizer": "file", "Llama2Tokenizer": "file",
+                   "HuggingFaceTokenizer": "directory", "NullTokenizer": None}
+# what Megatron-LM's parser gives megatron's build_tokenizer for the flags this script does not take
+# (megatron.training's TokenizerConfig defaults), so it builds the tokenizer training builds
+MEGATRON_DEFAULTS = {"vocab_file": None, "merge_file": None, "special_tokens": None, "chat_template": None,
+                     "metadata_path": None, "tokenizer_sentencepiece_legacy": False,
+                     "tokenizer_sentencepiece_ignore_extra_whitespaces": True, "tokenizer_hf_no_use_fast": False,
+                     "tokenizer_hf_no_include_special_tokens": False, "trust_remote_code": False,
+                     "pad_vocab_size": False}
 
 
 class InputError(ValueError):
@@ -43,6 +53,32 @@ def output_prefix(prefix: str, key: str) -> str:
 def _tokenizer_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                               vocab_size=args.vocab_size)
+
+
+def build_tokenizer(args: argparse.Namespace):
+    """The tokenizer megatron.training builds for ``args`` (megatron-core's ``build_tokenizer``), so the
+    ids written are the ones training reads: megatron's NullTokenizer holds --vocab-size entries, the last the
+    end-of-document id. A bad type, path or model is a ValueError naming the value and the fix; nothing is
+    fetched from a hub."""
+    if args.tokenizer_type not in TOKENIZER_FILES:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type!r} is not supported; use one of: "
+                         + ", ".join(TOKENIZER_FILES))
+    kind, path = TOKENIZER_FILES[args.tokenizer_type], getattr(args, "tokenizer_model", None)
+    if kind == "file" and not (path and os.path.isfile(path)):
+        raise ValueError(f"--tokenizer-model {path!r} is not a file: {args.tokenizer_type} needs a sentencepiece "
+                         ".model file (scripts/prepare_sample_data.py trains a small one)")
+    if kind == "directory" and not (path and os.path.isdir(path)):
+        raise ValueError(f"--tokenizer-model {path!r} is not a directory: HuggingFaceTokenizer needs a local "
+                         "Hugging Face tokenizer directory (tokenizer.json / tokenizer_config.json); download it first")
+    size = getattr(args, "vocab_size", None)
+    if kind is None and not (isinstance(size, int) and size > 1):
+        raise ValueError(f"--vocab-size {size!r}: NullTokenizer needs --vocab-size of at least 2 (the last id is "
+                         "the end-of-document token)")
+    try:
+        return megatron_tokenizers.build_tokenizer(argparse.Namespace(**{**MEGATRON_DEFAULTS, **vars(args)}))
+    except (RuntimeError, OSError, ValueError) as exc:
+        raise ValueError(f"--tokenizer-model {path!r} could not be loaded as a {args.tokenizer_type} "
+                         f"({exc}); pass a valid model for that type") from exc
 
 
 def _start_worker(tokenizer_args: argparse.Namespace) -> None:
@@ -156,9 +192,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
     parser.add_argument("--tokenizer-type", required=True, metavar="TYPE",
-                        help="one of: " + ", ".join(LIBRARIES))
+                        help="one of: " + ", ".join(TOKENIZER_FILES))
     parser.add_argument("--tokenizer-model", help="sentencepiece .model file or Hugging Face tokenizer directory")
-    parser.add_argument("--vocab-size", type=int, help="NullTokenizer's vocabulary size")
+    parser.add_argument("--vocab-size", type=int,
+                        help="NullTokenizer's vocabulary size, the end-of-document id its last (megatron's)")
     parser.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
     parser.add_argument("--log-interval", type=int, default=100,

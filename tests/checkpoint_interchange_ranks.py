@@ -1,6 +1,6 @@
-"""Rank functions for tests/test_checkpoint_interchange.py: the flow's checkpoint read by Megatron-LM's own
-``load_checkpoint`` (megatron.training, which megatron-core's wheel ships from 0.17), with no Megatron-LM
-checkout."""
+"""Rank functions for tests/test_checkpoint_interchange.py: the checkpoint scripts/pretrain_gpt.py saves read
+by Megatron-LM's own ``load_checkpoint`` (megatron.training, which megatron-core's wheel ships from 0.17), with
+no Megatron-LM checkout."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import adapter  # noqa: F401 - before megatron
 import torch
 from megatron.core import tensor_parallel
 
-from adapter.training import checkpointing
-from adapter.training.global_vars import get_args
-from tests.pretrain_ranks import run_pretrain_keeping_setup
+from tests.flow_ranks import run_pretrain_keeping_setup
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -26,13 +24,18 @@ def _members(optimizer) -> list:
     return getattr(optimizer, "chained_optimizers", [optimizer])
 
 
-def _model_and_optimizer_state(model: list, optimizer, scheduler) -> dict:
-    """Copies of what a checkpoint carries: the parameters, Adam's moments and step, the scheduler's step."""
-    params = [_local(p).detach().clone() for chunk in model for p in chunk.parameters()]
-    moments = [{k: _local(v).clone() if torch.is_tensor(v) else v for k, v in opt.optimizer.state[p].items()}
-               for opt in _members(optimizer) for group in opt.optimizer.param_groups
+def _optimizer_state(optimizer, scheduler) -> dict:
+    """Copies of what a checkpoint carries: this rank's shard of the parameters the optimizer steps (the model's
+    own Megatron-FSDP holds gathered at a save, sharded after a load), Adam's moments and step, the scheduler's
+    step; and the elements of each shard (Megatron-FSDP gives some ranks none of a parameter, and Adam no state
+    for it)."""
+    stepped = [(opt, p) for opt in _members(optimizer) for group in opt.optimizer.param_groups
                for p in group["params"]]
-    return {"params": params, "moments": moments, "steps": scheduler.num_steps}
+    moments = [{k: _local(v).clone() if torch.is_tensor(v) else v for k, v in opt.optimizer.state[p].items()}
+               for opt, p in stepped]
+    params = [_local(p).detach().clone() for _, p in stepped]
+    return {"params": params, "moments": moments, "steps": scheduler.num_steps,
+            "shard sizes": [_local(p).numel() for _, p in stepped]}
 
 
 def _scramble(model: list, optimizer, scheduler) -> None:
@@ -69,24 +72,29 @@ def _megatron_lm_args(argv: list[str], load: str):
 
 
 def megatron_lm_loads_the_flow_checkpoint(argv: list[str], save: str) -> dict:
-    """Train and save with the flow; then its checkpoint is read into the scrambled model, optimizer and
-    scheduler by the flow's ``load_checkpoint`` and by Megatron-LM's: what each gives back, against the live
-    state at the save (the random streams against each other: the live ones moved on after the save)."""
-    _, (model, optimizer, scheduler) = run_pretrain_keeping_setup(argv + ["--save", save], keep_group=True)
-    live = _model_and_optimizer_state(model, optimizer, scheduler)
-    flow_args = get_args()
-    flow_args.load = save
-    _scramble(model, optimizer, scheduler)
-    flow_iteration, flow_consumed = checkpointing.load_checkpoint(flow_args, model, optimizer, scheduler)
-    by_flow = {**_model_and_optimizer_state(model, optimizer, scheduler), "random": _random_state()}
-
+    """Train and save with scripts/pretrain_gpt.py (megatron.training's ``pretrain`` through the adapter's
+    patches: atomic publish, the cpu backend's writes); then Megatron-LM's ``load_checkpoint`` reads the saved
+    iteration into the scrambled model, optimizer and scheduler: what it gives back, against the live state and
+    random streams at the save."""
     from megatron.training import checkpointing as megatron_lm
+    from megatron.training import training
 
+    at_save, save_checkpoint = {}, training.save_checkpoint
+
+    def noted_save(iteration, model, optimizer, scheduler, *args, **kwargs):
+        at_save.update(_optimizer_state(optimizer, scheduler), random=_random_state())
+        return save_checkpoint(iteration, model, optimizer, scheduler, *args, **kwargs)
+
+    training.save_checkpoint = noted_save
+    try:
+        saving = argv + ["--save", save, "--save-interval", "1000"]
+        _, (model, optimizer, scheduler) = run_pretrain_keeping_setup(saving, keep_group=True)
+    finally:
+        training.save_checkpoint = save_checkpoint
     _scramble(model, optimizer, scheduler)
     mlm_args = _megatron_lm_args(argv, save)
     iteration, _ = megatron_lm.load_checkpoint(model, optimizer, scheduler)
-    by_megatron_lm = {**_model_and_optimizer_state(model, optimizer, scheduler), "random": _random_state()}
+    by_megatron_lm = {**_optimizer_state(optimizer, scheduler), "random": _random_state()}
     torch.distributed.destroy_process_group()
-    return {"live": live, "flow": by_flow, "megatron_lm": by_megatron_lm,
-            "iterations": (flow_iteration, iteration),
-            "consumed": (flow_consumed["train"], mlm_args.consumed_train_samples)}
+    return {"live": at_save, "megatron_lm": by_megatron_lm, "iteration": iteration,
+            "consumed": mlm_args.consumed_train_samples}

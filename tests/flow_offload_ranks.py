@@ -1,5 +1,5 @@
-"""Rank function of the flow's offloading tests (tests/test_flow_offload.py): scripts/pretrain_gpt.py's step
-through ``pretrain`` (tests/pretrain_ranks.py's ``run_pretrain``), reporting besides what was logged where the
+"""Rank function of the flow's offloading tests (tests/test_flow_offload.py): scripts/pretrain_gpt.py's
+``pretrain`` (megatron.training's, tests/flow_ranks.py's ``run_pretrain``), reporting besides what was logged where the
 optimizer's state lives (tests/offload_ranks.py's ``state_bytes``), whether megatron built its
 HybridDeviceOptimizer, and the bytes megatron's activation offload manager offloaded."""
 
@@ -10,7 +10,7 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
 
 from tests.offload_ranks import state_bytes
-from tests.pretrain_ranks import run_pretrain_keeping_setup
+from tests.flow_ranks import run_pretrain_keeping_setup
 
 
 def run_pretrain_offloading(argv: list[str]) -> dict:

@@ -75,6 +75,24 @@ def run_pretrain(argv: list[str], keep_group: bool = False) -> dict:
     return history
 
 
+def run_pretrain_keeping_setup(argv: list[str], keep_group: bool = False) -> tuple[dict, tuple]:
+    """As run_pretrain, and what megatron.training's ``setup_model_and_optimizer`` built: (model chunks,
+    optimizer, scheduler); with ``keep_group`` the process group stays for the caller's own work on them."""
+    from megatron.training import training
+
+    built, setup = [], training.setup_model_and_optimizer
+
+    def kept_setup(*args, **kwargs):
+        built.append(setup(*args, **kwargs))
+        return built[-1]
+
+    training.setup_model_and_optimizer = kept_setup
+    try:
+        return run_pretrain(argv, keep_group), built[0]
+    finally:
+        training.setup_model_and_optimizer = setup
+
+
 def logged_losses(results: list[dict], name: str = "lm loss") -> dict[int, float]:
     """iteration -> ``name`` of one run's ranks (``run_pretrain``'s results), from the last rank that logged
     one: the last pipeline stage's, whose ranks all log the same."""

@@ -1,11 +1,11 @@
-"""Rank functions of the flow's sharded data-parallel tests: ``pretrain`` (scripts/pretrain_gpt.py's step, as
-tests/pretrain_ranks.py runs it), reporting beside its history the data-parallel wrapper the flow built and the
-bytes this rank holds after training (tests/sharding_ranks.py's measures)."""
+"""Rank functions of the flow's sharded data-parallel tests: scripts/pretrain_gpt.py's ``pretrain``
+(megatron.training's, as tests/flow_ranks.py runs it), reporting beside its history the data-parallel wrapper
+the flow built and the bytes this rank holds after training (tests/sharding_ranks.py's measures)."""
 
 from __future__ import annotations
 
 from adapter import kernels
-from tests.pretrain_ranks import run_pretrain_keeping_setup
+from tests.flow_ranks import run_pretrain_keeping_setup
 from tests.sharding_ranks import _fsdp2_bytes, _held_bytes
 
 

@@ -4,20 +4,62 @@ a save, failing in one, and loaded by a fresh start."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import signal
 from pathlib import Path
 
 import adapter  # noqa: F401 - before megatron
+import psutil
 import torch
 
 from adapter import checkpoint_dir
 from tests.checkpoint_interchange_ranks import _megatron_lm_args, _scramble
-from tests.pretrain_ranks import _after, _fail_in, run_pretrain_keeping_setup
+from tests.flow_ranks import run_pretrain_keeping_setup
+
+
+def _after(owner, attribute: str, matches, when: str, pid_dir: str) -> None:
+    """Wrap ``owner.attribute`` so that a call for which ``matches(*args)`` kills every rank, ``before``
+    or ``after`` it runs."""
+    original = getattr(owner, attribute)
+
+    def call(*args, **kwargs):
+        if when == "before" and matches(*args):
+            _kill_every_rank(pid_dir)
+        result = original(*args, **kwargs)
+        if when == "after" and matches(*args):
+            _kill_every_rank(pid_dir)
+        return result
+
+    setattr(owner, attribute, call)
+
+
+def _kill_every_rank(pid_dir: str) -> None:
+    """SIGKILL every rank, this one last, and the processes they started (megatron's checkpoint writer
+    manager), which would otherwise outlive the test."""
+    ranks = [psutil.Process(int(p.read_text())) for p in Path(pid_dir).iterdir()]
+    children = [child for rank in ranks for child in rank.children(recursive=True)]
+    for process in children + sorted(ranks, key=lambda rank: rank.pid == os.getpid()):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGKILL)
+
+
+def _fail_in(owner, attribute: str, matches, error: OSError) -> None:
+    """Wrap ``owner.attribute`` so that a call for which ``matches(*args, **kwargs)`` raises ``error``."""
+    original = getattr(owner, attribute)
+
+    def call(*args, **kwargs):
+        if matches(*args, **kwargs):
+            raise error
+        return original(*args, **kwargs)
+
+    setattr(owner, attribute, call)
 
 
 def _built(argv: list[str], save: str) -> tuple:
-    """The flow's model, optimizer and scheduler after one iteration; Megatron-LM's arguments (``--save`` and
+    """The model, optimizer and scheduler of scripts/pretrain_gpt.py (megatron.training's ``pretrain``)
+    after one iteration; Megatron-LM's arguments (``--save`` and
     ``--load`` ``save``) set as its global ones."""
     _, built = run_pretrain_keeping_setup(argv + ["--train-iters", "1"], keep_group=True)
     _megatron_lm_args(argv + ["--train-iters", "1", "--save", save, "--save-interval", "1000"], save)

@@ -15,15 +15,13 @@ import adapter  # noqa: F401  - before megatron
 import numpy as np
 import pytest
 import torch
-from megatron.core import parallel_state
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-from adapter.training import data, global_vars
-from adapter.corpus_check import DataError
-from adapter.training.tokenizer import build_tokenizer
+from adapter.input_refusals import InputRefused, check_data
 from scripts import preprocess_data, prepare_sample_data
+from scripts.preprocess_data import build_tokenizer
 from tests import data_ranks
 from tests.distributed import ROOT, launch_script, run_ranks
 
@@ -142,7 +140,7 @@ def test_cli_missing_input_exits_2_without_traceback(tmp_path):
     (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model="missing.model"),
      "--tokenizer-model 'missing.model' is not a file"),
     (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None), "--tokenizer-model None is not a directory"),
-    (dict(tokenizer_type="NullTokenizer"), "--vocab-size None: NullTokenizer needs a positive --vocab-size"),
+    (dict(tokenizer_type="NullTokenizer"), "--vocab-size None: NullTokenizer needs --vocab-size of at least 2"),
 ])
 def test_bad_tokenizer_arguments_are_value_errors(args, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(".", r"\.")):
@@ -155,24 +153,42 @@ def test_corrupt_sentencepiece_model_is_a_value_error(tmp_path):
         build_tokenizer(_sp_args(str(tmp_path / "bad.model")))
 
 
-def test_null_tokenizer_adds_the_end_of_document_id():
+def test_null_tokenizer_is_megatron_s_its_last_id_the_end_of_document():
+    """The NullTokenizer megatron.training builds (megatron-core 0.19's): --vocab-size entries, the last the
+    end-of-document id, so the corpus preprocessed is the one training reads."""
     tokenizer = build_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=1000))
-    assert (tokenizer.vocab_size, tokenizer.eod) == (1001, 1000)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (1000, 999)
     assert tokenizer.detokenize(tokenizer.tokenize("3 1 4")) == "3 1 4"
 
 
 # ---------------------------------------------------------------- datasets
-def _provider_args(tokenizer, **extra) -> None:
-    """Megatron-LM's arguments for the provider. No data_cache_path: with one, megatron-core's BlendedDataset
-    asks torch.distributed for the rank, and these tests run without a process group (GPTDataset then caches its
-    indices beside the data)."""
-    args = argparse.Namespace(split="1,0,0", seq_length=16, seed=1234, data_cache_path=None, mock_data=False,
-                              padded_vocab_size=tokenizer.vocab_size, distributed_timeout_minutes=1, **extra)
-    global_vars.set_args(args)
-    global_vars.set_tokenizer(tokenizer)
+def _megatron_args(monkeypatch, **fields) -> argparse.Namespace:
+    """megatron.training's arguments (its parser's defaults) with ``fields``, as scripts/pretrain_gpt.py's run
+    holds them."""
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
+    args = parse_args()
+    vars(args).update(fields)
+    return args
 
 
-def test_blend_draws_samples_in_proportion_to_its_weights(tmp_path):
+def _provided(monkeypatch, tokenizer, samples: list[int], **fields) -> tuple:
+    """flow.gpt's dataset provider (scripts/pretrain_gpt.py's) on megatron.training's global arguments and
+    tokenizer, without a process group: built on this process, its indices cached beside the data."""
+    from megatron.training import global_vars
+
+    from flow import gpt
+
+    args = _megatron_args(monkeypatch, **{"split": "1,0,0", "seq_length": 16, "seed": 1234, "mock_data": False,
+                                          "create_attention_mask_in_dataloader": False, **fields})
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    monkeypatch.setattr(global_vars, "_GLOBAL_TOKENIZER", tokenizer)
+    monkeypatch.setattr(gpt, "is_dataset_built_on_rank", lambda vp_stage=None: True)
+    return gpt.train_valid_test_datasets_provider(samples)
+
+
+def test_blend_draws_samples_in_proportion_to_its_weights(tmp_path, monkeypatch):
     """Dataset A holds only token 1, dataset B only token 2: each sample tells where it came from."""
     tokenizer = build_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=16))
     prefixes = []
@@ -182,39 +198,25 @@ def test_blend_draws_samples_in_proportion_to_its_weights(tmp_path):
         assert preprocess_data.main(["--input", source, "--output-prefix", str(tmp_path / name), "--tokenizer-type",
                                      "NullTokenizer", "--vocab-size", "16", "--append-eod", "--no-progress"]) == 0
         prefixes.append(str(tmp_path / f"{name}_text_document"))
-    _provider_args(tokenizer, data_path=["0.3", prefixes[0], "0.7", prefixes[1]])
-    train, valid, test = data.train_valid_test_datasets_provider([2000, 0, 0])
+    train, valid, test = _provided(monkeypatch, tokenizer, [2000, 0, 0],
+                                   data_path=["0.3", prefixes[0], "0.7", prefixes[1]])
     assert isinstance(train, BlendedDataset) and valid is None and test is None
     sources = Counter(int(train[i]["tokens"][train[i]["tokens"] != tokenizer.eod][0]) for i in range(len(train)))
     assert len(train) >= 2000 and set(sources) == {1, 2}
     assert sources[1] / len(train) == pytest.approx(0.3, abs=0.02)
 
 
-def test_single_dataset_splits_and_mock_data(sample_data):
+def test_single_dataset_splits_and_mock_data(sample_data, monkeypatch):
     prefix, model = sample_data
-    _provider_args(build_tokenizer(_sp_args(model)), data_path=[prefix])
-    global_vars.get_args().split = "90,10,0"
-    train, valid, test = data.train_valid_test_datasets_provider([100, 10, 0])
+    tokenizer = build_tokenizer(_sp_args(model))
+    train, valid, test = _provided(monkeypatch, tokenizer, [100, 10, 0], data_path=[prefix], split="90,10,0")
     assert isinstance(train, GPTDataset) and isinstance(valid, GPTDataset) and test is None
     assert train[0]["tokens"].shape == (16,) and "attention_mask" not in train[0]  # causal models never read it
-    global_vars.get_args().create_attention_mask_in_dataloader = True
-    train, _, _ = data.train_valid_test_datasets_provider([100, 10, 0])
+    train, _, _ = _provided(monkeypatch, tokenizer, [100, 10, 0], data_path=[prefix], split="90,10,0",
+                            create_attention_mask_in_dataloader=True)
     assert train[0]["attention_mask"].shape == (1, 16, 16)
-    global_vars.get_args().mock_data = True
-    train, _, _ = data.train_valid_test_datasets_provider([100, 10, 0])
+    train, _, _ = _provided(monkeypatch, tokenizer, [100, 10, 0], mock_data=True)
     assert isinstance(train, MockGPTDataset)
-
-
-@pytest.mark.parametrize("data_path, message", [
-    (None, "no training data: pass --data-path"),
-    (["/nowhere/corpus_text_document"], "--data-path /nowhere/corpus_text_document: "
-                                         "/nowhere/corpus_text_document.bin and"),
-])
-def test_missing_data_is_a_value_error(data_path, message):
-    _provider_args(build_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=8)),
-                   data_path=data_path)
-    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(".", r"\.")):
-        data.train_valid_test_datasets_provider([10, 0, 0])
 
 
 # ---------------------------------------------------------------- the corpora checked before the first step
@@ -281,32 +283,26 @@ FAULTS = {"truncated .bin": _truncated_bin, "another corpus's .idx": _another_co
           "not an index": _not_an_index, "truncated .idx": _truncated_idx}
 
 
-def _null_tokenizer_args(data_path: list[str]) -> None:
-    """The provider's arguments with NullTokenizer's 63 ids and its end of document: a vocabulary of 64."""
-    tokenizer = build_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=63))
-    assert tokenizer.vocab_size == 64
-    _provider_args(tokenizer, data_path=data_path)
+def _checked(monkeypatch, data_path: list[str], **fields) -> None:
+    """The adapter's corpus check as scripts/pretrain_gpt.py runs it (patches/input_refusals.py, when
+    megatron.training builds its data iterators): the embedding's 64 rows, no process group."""
+    check_data(_megatron_args(monkeypatch, data_path=data_path, padded_vocab_size=64, **fields))
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-def test_a_bad_corpus_is_refused_naming_the_file_the_fault_and_the_fix(tmp_path, fault):
+def test_a_bad_corpus_is_refused_naming_the_file_the_fault_and_the_fix(tmp_path, fault, monkeypatch):
     prefix, message = FAULTS[fault](tmp_path, 64)
-    _null_tokenizer_args(["0.5", _corpus(tmp_path, "good"), "0.5", prefix])
-    with pytest.raises(DataError) as refused:
-        data.train_valid_test_datasets_provider([10, 0, 0])
+    with pytest.raises(InputRefused) as refused:
+        _checked(monkeypatch, ["0.5", _corpus(tmp_path, "good"), "0.5", prefix])
     assert str(refused.value) == message
 
 
-def test_a_clean_corpus_passes_and_the_token_scan_can_be_skipped(tmp_path):
-    """Ids up to the vocabulary's last (63) pass; --no-check-token-ids leaves a corpus with id 64 unread."""
-    _null_tokenizer_args([_corpus(tmp_path, "clean", [*DOCUMENTS, [63] * 40])])
-    train, _, _ = data.train_valid_test_datasets_provider([10, 0, 0])
-    assert isinstance(train, GPTDataset)
+def test_a_clean_corpus_passes_and_the_token_scan_can_be_skipped(tmp_path, monkeypatch):
+    """Ids up to the vocabulary's last (63) pass; check_token_ids False (the own flow's --no-check-token-ids)
+    leaves a corpus with id 64 unread."""
+    _checked(monkeypatch, [_corpus(tmp_path, "clean", [*DOCUMENTS, [63] * 40])])
     prefix, _ = _token_at_the_vocabulary(tmp_path, 64)
-    _null_tokenizer_args([prefix])
-    global_vars.get_args().check_token_ids = False
-    train, _, _ = data.train_valid_test_datasets_provider([10, 0, 0])
-    assert isinstance(train, GPTDataset)
+    _checked(monkeypatch, [prefix], check_token_ids=False)
 
 
 @pytest.mark.slow
@@ -328,65 +324,6 @@ def test_a_bad_corpus_stops_every_rank_before_the_first_step_with_one_error_line
     assert "Traceback" not in output and " iteration " not in output, output[-3000:]
     errors = [line for line in output.splitlines() if "error:" in line]
     assert errors == [f"error: {message}"], output[-3000:]
-
-
-# ---------------------------------------------------------------- samplers and loader
-def _run(sampler, count=None) -> list[list[int]]:
-    batches = iter(sampler)
-    return [next(batches) for _ in range(count)] if count else list(batches)
-
-
-@pytest.mark.parametrize("dp", [1, 2])
-def test_single_order_resumed_continues_exactly_where_it_stopped(dp):
-    total, micro, consumed = 103, 3, 4 * 3 * dp
-    for rank in range(dp):
-        full = _run(data.PretrainingSampler(total, 0, micro, rank, dp))
-        resumed = data.PretrainingSampler(total, consumed, micro, rank, dp)
-        assert _run(resumed) == full[4:] and len(resumed) == len(full) - 4
-    ranks = [_run(data.PretrainingSampler(total, 0, micro, rank, dp)) for rank in range(dp)]
-    first_global_batch = sorted(i for batches in ranks for i in batches[0])
-    assert first_global_batch == list(range(micro * dp))  # the ranks share each global batch without overlap
-
-
-def test_single_order_refuses_an_exhausted_dataset():
-    with pytest.raises(ValueError, match="consumed_samples 10 leaves nothing"):
-        data.PretrainingSampler(10, 10, 2, 0, 1)
-
-
-def test_cyclic_order_is_seeded_random_per_epoch_and_resumable():
-    total, micro, dp = 50, 4, 2  # 48 samples per epoch: 6 global batches
-    per_rank = [_run(data.CyclicPretrainingSampler(total, 0, micro, r, dp, seed=7), 15) for r in range(dp)]
-    assert per_rank[0] == _run(data.CyclicPretrainingSampler(total, 0, micro, 0, dp, seed=7), 15)
-    assert per_rank[0] != _run(data.CyclicPretrainingSampler(total, 0, micro, 0, dp, seed=8), 15)
-    epochs = [sorted(i for batches in per_rank for b in batches[e * 6:(e + 1) * 6] for i in b) for e in (0, 1)]
-    assert epochs[0] == epochs[1] == list(range(48))  # each epoch reads every sample once, across the ranks
-    assert per_rank[0][:6] != per_rank[0][6:12]  # a new order each epoch
-    consumed = 4 * micro * dp  # resume inside the first epoch, read on into the second
-    assert _run(data.CyclicPretrainingSampler(total, consumed, micro, 1, dp, seed=7), 11) == per_rank[1][4:15]
-
-
-class _Numbers(torch.utils.data.Dataset):
-    def __len__(self):
-        return 20
-
-    def __getitem__(self, i):
-        return {"tokens": torch.tensor([i])}
-
-
-@pytest.mark.parametrize("kind", ["single", "cyclic"])
-def test_data_loader_reads_this_data_parallel_ranks_micro_batches(monkeypatch, kind):
-    monkeypatch.setattr(parallel_state, "get_data_parallel_rank", lambda: 1)
-    monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda: 2)
-    args = argparse.Namespace(micro_batch_size=2, dataloader_type=kind, num_workers=0, seed=3)
-    loader = data.build_pretraining_data_loader(_Numbers(), 4, args)
-    sampler = (data.PretrainingSampler(20, 4, 2, 1, 2) if kind == "single"
-               else data.CyclicPretrainingSampler(20, 4, 2, 1, 2, seed=3))
-    got = [batch["tokens"].flatten().tolist() for batch, _ in zip(loader, range(3))]
-    assert got == _run(sampler, 3)
-    assert data.build_pretraining_data_loader(None, 0, args) is None
-    with pytest.raises(ValueError, match="--dataloader-type 'external' is not supported"):
-        data.build_pretraining_data_loader(_Numbers(), 0, argparse.Namespace(**{**vars(args),
-                                                                              "dataloader_type": "external"}))
 
 
 # ---------------------------------------------------------------- get_batch on ranks
@@ -414,15 +351,6 @@ def test_tensor_parallel_ranks_get_the_same_batch(sample_data, tmp_path, with_ma
         assert tokens.dtype == labels.dtype == position_ids.dtype == torch.int64
 
 
-def test_a_batch_of_another_shape_is_refused_on_the_reading_rank():
-    layout = data._batch_layout(argparse.Namespace(micro_batch_size=2, seq_length=32), with_attention_mask=False)
-    batch = {key: torch.zeros(2, 32) for key in layout}
-    data._check_batch_shapes(batch, layout)
-    batch["labels"] = torch.zeros(2, 31)
-    with pytest.raises(ValueError, match=r"\(2, 31\) for 'labels'.*\(2, 32\).*--seq-length"):
-        data._check_batch_shapes(batch, layout)
-
-
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_middle_pipeline_stage_gets_no_batch(sample_data, tmp_path):
@@ -431,5 +359,6 @@ def test_middle_pipeline_stage_gets_no_batch(sample_data, tmp_path):
     by_stage = {r["pp_rank"]: r for r in results}
     assert [by_stage[s]["has_dataset"] for s in range(3)] == [True, False, True]
     assert by_stage[1]["batches"] == [(None,) * 5]
-    for stage in (0, 2):
-        assert torch.equal(by_stage[stage]["batches"][0][0], by_stage[stage]["expected_tokens"][0])
+    # megatron's get_batch gives the first stage the tokens the embedding reads, the last the labels of the loss
+    assert torch.equal(by_stage[0]["batches"][0][0], by_stage[0]["expected_tokens"][0])
+    assert torch.equal(by_stage[2]["batches"][0][1], by_stage[2]["expected_labels"][0])
