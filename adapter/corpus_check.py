@@ -1,7 +1,6 @@
-"""A corpus checked before the first step, on either flow: a bad file stops the run at its start with one line
-naming the file, the fault and the fix, not at the iteration whose sample first reads the bad part. The own
-flow calls it from its dataset provider (adapter/training/data_check.py), Megatron-LM's flow where
-megatron.training builds its data iterators (patches/input_refusals.py); each decides on rank 0 for every rank.
+"""A corpus checked before the first step: a bad file stops the run at its start with one line naming the file,
+the fault and the fix, not at the iteration whose sample first reads the bad part. It runs where
+megatron.training builds its data iterators (patches/input_refusals.py), decided on rank 0 for every rank.
 
 A corpus is two files that scripts/preprocess_data.py writes together (megatron-core's indexed dataset,
 ``megatron/core/datasets/indexed_dataset.py``): PREFIX.idx, a header (magic ``MMIDIDX\\0\\0``, version 1, the
@@ -15,8 +14,7 @@ part, and a token id at or above the vocabulary fails in the embedding lookup of
 - the .idx header reads and the .idx holds the arrays it announces (``read_index``);
 - the .bin ends exactly where the index's last sequence ends: shorter is truncated, longer is not the
   corpus the index describes;
-- every token id is within the vocabulary the run's embedding has (``largest_token_id``; the own flow's
-  ``--no-check-token-ids`` skips this one pass over the data).
+- every token id is within the vocabulary the run's embedding has (``largest_token_id``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""The one line a run that leaves early on its exit signal says, in either flow: which iteration every rank
+"""The one line a run that leaves early on its exit signal says: which iteration every rank
 finished, why it stopped, and whether (and where) that iteration is saved. A scheduler's log then shows
 where the next launch resumes without reading megatron's per-rank output.
 
-The flows stop differently (adapter/training/preemption.py for the own flow; patches/early_exit.py on
-megatron.training's ``--exit-signal-handler``); the words are these.
+patches/early_exit.py says it on megatron.training's ``--exit-signal-handler``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Each MoE layer's expert load, for either flow's log: the tokens each expert is routed, counted in training
+"""Each MoE layer's expert load, for the training log: the tokens each expert is routed, counted in training
 forwards and summed over all ranks at each log line, shown as max/mean tokens per expert.
 
 megatron-core logs its router losses but not the load itself: a hook on each router counts its routing map in
@@ -6,8 +6,8 @@ training forwards only (under autograd, as megatron counts for its expert bias, 
 recomputed forward counts), and not the MTP layers' routers. Every token is routed on exactly one rank of its
 pipeline stage, since megatron requires sequence parallelism for MoE at TP > 1, so the sum over all ranks is
 the tokens each expert took. Max/mean is 1 perfectly balanced, the number of experts when one expert took every
-token. The own flow shows it on its iteration line (adapter/training/training_log.py), megatron.training's on
-a line of its own (patches/expert_load.py); both write the same TensorBoard scalars.
+token. megatron.training's log shows it on a line of its own after each iteration line, and as TensorBoard
+scalars (patches/expert_load.py).
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ quarter of the timeout records in the store that it arrived, so the one line eac
 collective, its group, its ranks and those that never arrived (for a send or receive: its peers). Under
 torchrun ``--max-restarts`` the group then restarts from the newest checkpoint.
 
-Who starts it: the own flow (adapter/training/pretrain.py's ``initialize``) once its process group stands, and
-megatron.training (Megatron-LM's pretrain_gpt.py through ``adapter.run``) once ``_initialize_distributed`` has
-made its groups (patches/liveness.py), each with its ``--distributed-timeout-minutes``.
+Who starts it: megatron.training (scripts/pretrain_gpt.py, or Megatron-LM's pretrain_gpt.py through
+``adapter.run``) once ``_initialize_distributed`` has made its groups (patches/liveness.py), with its
+``--distributed-timeout-minutes``.
 
 The watch ends with the groups it watches: the default group's ``destroy_process_group`` (the flow's exit,
 scripts/pretrain_gpt.py's ``leave``) first stops the watcher, after the look it may be in, so no look ever

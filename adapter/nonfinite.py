@@ -1,9 +1,9 @@
-"""What a non-finite step is, in words, for either flow: megatron-core's rerun state machine rejects a loss or a
+"""What a non-finite step is, in words: megatron-core's rerun state machine rejects a loss or a
 gradient bucket's norm (``--check-for-nan-in-loss-and-grad``, on by default), and the run stops with one line
 naming the iteration, the first rank that found it, the value and what to do.
 
-The flows stop differently (adapter/training/nonfinite.py for the own flow; patches/nonfinite.py for
-megatron.training, which saves a checkpoint so that another device re-runs the step); the words are these.
+patches/nonfinite.py stops megatron.training with them (it saves a checkpoint so that another device re-runs
+the step).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The start-up line, in either flow: the time from the process's start (what the OS recorded, so the
+"""The start-up line: the time from the process's start (what the OS recorded, so the
 interpreter's and the imports' time counts) to the end of its first iteration, and the phases it went to.
 bench/startup.py parses it (``PHASES``); the time a launcher takes before it starts the process is not
 counted.

@@ -7,7 +7,7 @@ arguments ask for ``--exit-signal-handler``. torchrun (torch 2.13) meets the sig
 them) by raising a ``SignalException`` in its agent: it sends the signal on to its workers, waits
 ``--shutdown-timeout`` seconds, SIGKILLs what is left, and exits 1 with a traceback, whatever the workers did.
 A scheduler that preempts the job reads that 1 as a failed job, although every rank finished its iteration,
-saved it and exited 0 (adapter/training/preemption.py).
+saved it and exited 0 (megatron.training's ``--exit-signal-handler``, patches/early_exit.py).
 
 Here the flow's ``--exit-signal`` (SIGTERM by default) is taken off torchrun's ``--signals-to-handle`` and
 handled by the launcher: it passes the signal to its workers and waits, within the same shutdown timeout, for

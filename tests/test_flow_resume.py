@@ -22,7 +22,7 @@ import torch
 from adapter import earlier_checkpoints
 from tests import own_flow_checkpoint, upgrade_checkpoint
 from tests.distributed import launch_script
-from tests.pretrain_ranks import stopped_at
+from tests.flow_ranks import stopped_at
 
 TOLERANCE = 2e-4
 TRAIN_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|")

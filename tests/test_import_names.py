@@ -27,7 +27,7 @@ def test_import_adapter_loads_the_patch_table_and_no_model_config(tmp_path):
     done = _run(tmp_path, """
         import sys
         import adapter
-        print("patches" in sys.modules, "models" in sys.modules, "adapter.training" in sys.modules)
+        print("patches" in sys.modules, "models" in sys.modules, "flow" in sys.modules)
     """)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["True", "False", "False"]
