@@ -1,9 +1,8 @@
-"""The new flow's table of bad arguments (scripts/pretrain_gpt.py on megatron.training's own parser, issue 50):
+"""The flow's table of bad arguments (scripts/pretrain_gpt.py on megatron.training's own parser, issue 50):
 each is refused in one ``error:`` line naming the value, exit status 2 on every rank, no traceback. Most are
 megatron's own checks (``validate_args``, TransformerConfig, its tokenizer), said in one line by
 ``input_refusals``; the rest are checks megatron lacks where it crashes later (adapter/input_refusals.py), and
-the adapter's CP attention's own limits (adapter/kernels/context_parallel.py). tests/test_arguments.py is the
-old loop's table.
+the adapter's CP attention's own limits (adapter/kernels/context_parallel.py).
 
 In process through the wheel's megatron.training (``parse_and_validate_args``, the config, the tokenizer), as
 ``flow.pretrain.run`` calls it; a few rows on 2-rank launches of scripts/pretrain_gpt.py."""

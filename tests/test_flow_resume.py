@@ -1,9 +1,10 @@
-"""A checkpoint saved by the project's own training loop (adapter/training, kept as bench/pretrain_gpt_own.py)
-resumes in scripts/pretrain_gpt.py (megatron.training's own ``pretrain``) on the curve it was saved on (issue 50
-point 3): the torch_dist checkpoint the loop saved under megatron-core 0.16.1 before it wrote megatron's
-``args`` (tests/upgrade_checkpoint.py), at its TP2 layout and at TP1 x DP2, and an fsdp_dtensor one saved with
-Megatron-FSDP (tests/own_flow_checkpoint.py). Iterations 5-8 give the losses the loop recorded, within 2e-4
-as tests/test_checkpoint_upgrade.py compares them (another machine's summation order).
+"""A checkpoint saved by the project's earlier training loop (adapter/training, removed with issue 50; the
+checkpoints here were recorded with it) resumes in scripts/pretrain_gpt.py (megatron.training's own
+``pretrain``) on the curve it was saved on (issue 50 point 3): the torch_dist checkpoint the loop saved
+under megatron-core 0.16.1 before it wrote megatron's ``args`` (tests/upgrade_checkpoint.py), at its TP2
+layout and at TP1 x DP2, and an fsdp_dtensor one saved with Megatron-FSDP (tests/own_flow_checkpoint.py).
+Iterations 5-8 give the losses the loop recorded, within 2e-4 as tests/test_checkpoint_upgrade.py compares them
+(another machine's summation order).
 
 The loop's arguments become Megatron-LM's, with the loop's defaults where megatron's differ given explicitly:
 its NullTokenizer (megatron 0.19's holds --vocab-size entries, the loop's one more: the end-of-document id the
