@@ -114,13 +114,6 @@ def spells_device_strings(code: types.CodeType) -> bool:
     return bool(_facts(code) & _DEVICE_STRINGS)
 
 
-def hands_on_backend(code: types.CodeType) -> bool:
-    """Whether ``code``, or code nested in it, calls a torch.distributed group constructor with a
-    ``backend=`` keyword (keyword names are string constants): its module gets a torch.distributed that maps
-    ``"nccl"``, since the name may come from its caller."""
-    return bool(_facts(code) & _HANDS_ON_BACKEND)
-
-
 def names_backend(code: types.CodeType) -> bool:
     """Whether ``code``, or code nested in it, holds ``"nccl"`` or hands a backend on: its module's
     torch.distributed maps ``"nccl"``; other modules keep the real one (``mock.patch`` reaches it)."""
