@@ -9,10 +9,16 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import os
+import shutil
+import signal
+from pathlib import Path
 
 import adapter  # noqa: F401 - before megatron
+import psutil
 import torch
 
+from adapter import checkpoint_dir
 from flow import pretrain as flow
 
 
@@ -78,3 +84,52 @@ def logged_losses(results: list[dict], name: str = "lm loss") -> dict[int, float
     curves = [c for c in curves if c]
     assert curves, "no rank logged " + name
     return curves[-1]
+
+
+def stopped_at(saved: Path, iteration: int, into: Path) -> Path:
+    """A save directory holding only ``saved``'s checkpoint of ``iteration``, as if that run had stopped
+    there: one run gives a reference curve and the checkpoint to resume it from (a save leaves the curve as
+    it is, which the resumed runs then show bit for bit)."""
+    shutil.copytree(saved / checkpoint_dir.checkpoint_name(iteration), into / checkpoint_dir.checkpoint_name(iteration))
+    (into / checkpoint_dir.TRACKER).write_text(str(iteration))
+    return into
+
+
+def after(owner, attribute: str, matches, when: str | None, pid_dir: str) -> None:
+    """Wrap ``owner.attribute`` so that a call for which ``matches(*args)`` SIGKILLs every rank whose pid is
+    in ``pid_dir``, ``before`` or ``after`` it runs (``when`` None: left as it is)."""
+    if when is None:
+        return
+    original = getattr(owner, attribute)
+
+    def call(*args, **kwargs):
+        if when == "before" and matches(*args):
+            _kill_every_rank(pid_dir)
+        result = original(*args, **kwargs)
+        if when == "after" and matches(*args):
+            _kill_every_rank(pid_dir)
+        return result
+
+    setattr(owner, attribute, call)
+
+
+def _kill_every_rank(pid_dir: str) -> None:
+    """SIGKILL every rank, this one last, and the processes they started (megatron's checkpoint writer
+    manager), which would otherwise outlive the test."""
+    ranks = [psutil.Process(int(p.read_text())) for p in Path(pid_dir).iterdir()]
+    children = [child for rank in ranks for child in rank.children(recursive=True)]
+    for process in children + sorted(ranks, key=lambda rank: rank.pid == os.getpid()):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGKILL)
+
+
+def fail_in(owner, attribute: str, matches, error: OSError) -> None:
+    """Wrap ``owner.attribute`` so that a call for which ``matches(*args, **kwargs)`` raises ``error``."""
+    original = getattr(owner, attribute)
+
+    def call(*args, **kwargs):
+        if matches(*args, **kwargs):
+            raise error
+        return original(*args, **kwargs)
+
+    setattr(owner, attribute, call)
