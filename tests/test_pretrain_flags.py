@@ -128,14 +128,15 @@ def _bytes_by_rank(checkpoint) -> dict[int, int]:
 
 
 def test_fully_parallel_save_shares_the_writing_and_a_fully_parallel_load_resumes_bit_exactly(tmp_path):
-    """At DP2 the first replica writes the whole model without --ckpt-fully-parallel-save; with it both
-    ranks write a part; the checkpoint, read back with --ckpt-fully-parallel-load, continues the curve."""
+    """At DP2 both ranks write a part (Megatron-LM's default, a fully parallel save); with
+    --no-ckpt-fully-parallel-save the first replica writes the whole model; the checkpoint, read back with
+    --ckpt-fully-parallel-load, continues the curve."""
     from adapter import checkpoint_dir
 
     plain, shared = tmp_path / "plain", tmp_path / "shared"
-    run_ranks(2, run_pretrain, [*ARGV, "--train-iters", "2", "--save", str(plain), "--save-interval", "2"])
-    reference = logged_losses(run_ranks(2, run_pretrain, [*ARGV, "--save", str(shared), "--save-interval", "2",
-                                                          "--ckpt-fully-parallel-save"]))
+    run_ranks(2, run_pretrain, [*ARGV, "--train-iters", "2", "--save", str(plain), "--save-interval", "2",
+                                "--no-ckpt-fully-parallel-save"])
+    reference = logged_losses(run_ranks(2, run_pretrain, [*ARGV, "--save", str(shared), "--save-interval", "2"]))
     alone = _bytes_by_rank(plain / checkpoint_dir.checkpoint_name(2))
     both = _bytes_by_rank(shared / checkpoint_dir.checkpoint_name(2))
     assert alone[0] > 10 * alone.get(1, 0) and min(both[0], both[1]) > sum(both.values()) / 4, (alone, both)
