@@ -76,9 +76,11 @@ def test_a_mock_data_run_imports_no_hugging_face_code(short_run):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """TP2 x PP2 on 4 ranks, 12 iterations, saving every 6: the reference curve, and its checkpoints (a save
-    leaves the curve as it is: the resumed runs below continue it bit for bit)."""
+    leaves the curve as it is: the resumed runs below continue it bit for bit). The distributed optimizer's
+    state is saved fully reshardable, Megatron-LM's way to resume it at another TP x PP."""
     saved = tmp_path_factory.mktemp("uninterrupted")
-    return _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2, "--save", str(saved), "--save-interval", "6"))), saved
+    saving = ("--save", str(saved), "--save-interval", "6", "--dist-ckpt-optim-fully-reshardable")
+    return _losses(run_ranks(4, run_pretrain, _argv(12, 2, 2, *saving))), saved
 
 
 @pytest.mark.slow
