@@ -67,10 +67,15 @@ def run_pretrain(argv: list[str], keep_group: bool = False) -> dict:
     """``scripts/pretrain_gpt.py argv`` in this rank's process: {"train": one entry per iteration (its number,
     its losses as the step reduced them, "grad norm", "skipped"), "validation": one per evaluation (its
     iteration, "set": validation or test, "final": the evaluation after training, and its losses),
-    "stdout": what this rank printed}."""
+    "stdout": what this rank printed}. A run megatron ends early with exit status 0 (``sys.exit``) returns
+    as well."""
     history, printed = {"train": [], "validation": []}, io.StringIO()
     with _recording(history), contextlib.redirect_stdout(printed):
-        flow.run(argv)
+        try:
+            flow.run(argv)
+        except SystemExit as stop:  # megatron.training's early exits (--exit-interval, a time budget) end so
+            if stop.code not in (0, None):
+                raise
     history["stdout"] = printed.getvalue()
     if not keep_group and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
