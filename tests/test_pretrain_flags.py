@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.megatron_trai
 # DP2, two micro-batches of 2 per rank and step; no dropout, so a recomputed forward is the same forward
 ARGV = ["--model", "qwen2.5-tiny", "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "32",
         "--train-iters", "4", "--lr", "3e-3", "--lr-warmup-iters", "1", "--mock-data", "--log-interval", "1",
-        "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7"]
+        "--eval-interval", "1000", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--seed", "7"]
 
 
 @pytest.fixture(scope="module")
