@@ -9,11 +9,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import adapter  # noqa: F401 - before megatron
+import psutil
 import torch
 
 from adapter import checkpoint_dir
@@ -65,10 +68,15 @@ def run_pretrain(argv: list[str], keep_group: bool = False) -> dict:
     """``scripts/pretrain_gpt.py argv`` in this rank's process: {"train": one entry per iteration (its number,
     its losses as the step reduced them, "grad norm", "skipped"), "validation": one per evaluation (its
     iteration, "set": validation or test, "final": the evaluation after training, and its losses),
-    "stdout": what this rank printed}."""
+    "stdout": what this rank printed}. A run megatron ends early with exit status 0 (``sys.exit``) returns
+    as well."""
     history, printed = {"train": [], "validation": []}, io.StringIO()
     with _recording(history), contextlib.redirect_stdout(printed):
-        flow.run(argv)
+        try:
+            flow.run(argv)
+        except SystemExit as stop:  # megatron.training's early exits (--exit-interval, a time budget) end so
+            if stop.code not in (0, None):
+                raise
     history["stdout"] = printed.getvalue()
     if not keep_group and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -121,3 +129,43 @@ def stopped_at(saved: Path, iteration: int, into: Path) -> Path:
     shutil.copytree(saved / name, into / name)
     (into / checkpoint_dir.TRACKER).write_text(str(iteration))
     return into
+
+
+def after(owner, attribute: str, matches, when: str | None, pid_dir: str) -> None:
+    """Wrap ``owner.attribute`` so that a call for which ``matches(*args)`` SIGKILLs every rank whose pid is
+    in ``pid_dir``, ``before`` or ``after`` it runs (``when`` None: left as it is)."""
+    if when is None:
+        return
+    original = getattr(owner, attribute)
+
+    def call(*args, **kwargs):
+        if when == "before" and matches(*args):
+            _kill_every_rank(pid_dir)
+        result = original(*args, **kwargs)
+        if when == "after" and matches(*args):
+            _kill_every_rank(pid_dir)
+        return result
+
+    setattr(owner, attribute, call)
+
+
+def _kill_every_rank(pid_dir: str) -> None:
+    """SIGKILL every rank, this one last, and the processes they started (megatron's checkpoint writer
+    manager), which would otherwise outlive the test."""
+    ranks = [psutil.Process(int(p.read_text())) for p in Path(pid_dir).iterdir()]
+    children = [child for rank in ranks for child in rank.children(recursive=True)]
+    for process in children + sorted(ranks, key=lambda rank: rank.pid == os.getpid()):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGKILL)
+
+
+def fail_in(owner, attribute: str, matches, error: OSError) -> None:
+    """Wrap ``owner.attribute`` so that a call for which ``matches(*args, **kwargs)`` raises ``error``."""
+    original = getattr(owner, attribute)
+
+    def call(*args, **kwargs):
+        if matches(*args, **kwargs):
+            raise error
+        return original(*args, **kwargs)
+
+    setattr(owner, attribute, call)

@@ -4,57 +4,16 @@ a save, failing in one, and loaded by a fresh start."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import signal
 from pathlib import Path
 
 import adapter  # noqa: F401 - before megatron
-import psutil
 import torch
 
 from adapter import checkpoint_dir
 from tests.checkpoint_interchange_ranks import _megatron_lm_args, _scramble
-from tests.flow_ranks import run_pretrain_keeping_setup
-
-
-def _after(owner, attribute: str, matches, when: str, pid_dir: str) -> None:
-    """Wrap ``owner.attribute`` so that a call for which ``matches(*args)`` kills every rank, ``before``
-    or ``after`` it runs."""
-    original = getattr(owner, attribute)
-
-    def call(*args, **kwargs):
-        if when == "before" and matches(*args):
-            _kill_every_rank(pid_dir)
-        result = original(*args, **kwargs)
-        if when == "after" and matches(*args):
-            _kill_every_rank(pid_dir)
-        return result
-
-    setattr(owner, attribute, call)
-
-
-def _kill_every_rank(pid_dir: str) -> None:
-    """SIGKILL every rank, this one last, and the processes they started (megatron's checkpoint writer
-    manager), which would otherwise outlive the test."""
-    ranks = [psutil.Process(int(p.read_text())) for p in Path(pid_dir).iterdir()]
-    children = [child for rank in ranks for child in rank.children(recursive=True)]
-    for process in children + sorted(ranks, key=lambda rank: rank.pid == os.getpid()):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.send_signal(signal.SIGKILL)
-
-
-def _fail_in(owner, attribute: str, matches, error: OSError) -> None:
-    """Wrap ``owner.attribute`` so that a call for which ``matches(*args, **kwargs)`` raises ``error``."""
-    original = getattr(owner, attribute)
-
-    def call(*args, **kwargs):
-        if matches(*args, **kwargs):
-            raise error
-        return original(*args, **kwargs)
-
-    setattr(owner, attribute, call)
+from tests.flow_ranks import after, fail_in, run_pretrain_keeping_setup
 
 
 def _built(argv: list[str], save: str) -> tuple:
@@ -85,10 +44,10 @@ def _dist_checkpointing():
 
 # what has just happened in the re-save of an iteration when rank 0 kills every rank
 KILLS = {
-    "partial written": lambda name, pids: _after(
+    "partial written": lambda name, pids: after(
         _dist_checkpointing(), "save",
         lambda state, directory, *a, **k: Path(directory).name == f".{name}{checkpoint_dir.PARTIAL}", "after", pids),
-    "old copy moved aside": lambda name, pids: _after(
+    "old copy moved aside": lambda name, pids: after(
         checkpoint_dir.os, "rename", lambda src, dst: Path(src).name == name, "after", pids),
 }
 
@@ -127,7 +86,7 @@ def loaded_after_the_kill(argv: list[str], save: str) -> dict:
 
 
 FAILURES = {  # failure -> (its rank, what makes the save of iteration 2 fail there)
-    "rank 1 cannot write": (1, lambda: _fail_in(
+    "rank 1 cannot write": (1, lambda: fail_in(
         _dist_checkpointing(), "save",
         lambda state, directory, *a, **k: checkpoint_dir.checkpoint_name(2) in str(directory),
         OSError(errno.ENOSPC, "No space left on device"))),

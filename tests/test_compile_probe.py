@@ -1,5 +1,8 @@
-"""The flow's entry point asks torch.compile's CPU vector-ISA question in the background, so the first
-compiled call finds the answer instead of probing inside the first iteration."""
+"""The launch asks torch.compile's CPU vector-ISA question in the background, so the first compiled call (the
+torch provider's RMSNorm, megatron's fused functions) finds the answer instead of probing inside the first
+iteration. The own loop's entry did (adapter/training/compile_probe.py, started by bench/pretrain_gpt_own.py);
+the one flow's, scripts/pretrain_gpt.py, does not yet: the probe has to move out of adapter/training (as
+adapter/compile_probe.py) and the entry start it before it imports the flow."""
 
 from __future__ import annotations
 
@@ -12,14 +15,19 @@ import pytest
 
 from tests.distributed import ROOT
 
+NOT_IN_THE_ONE_FLOW = ("scripts/pretrain_gpt.py starts no vector-ISA probe: adapter/training/compile_probe.py "
+                       "goes with the own loop and is not yet in adapter/ or called by the one flow's entry")
+
 PROGRAM = r"""
 import json
+import threading
 import torch
 from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-from adapter.training import compile_probe
+import scripts.pretrain_gpt  # the entry's imports, all a launch runs before its main
 
-thread = compile_probe.probe_in_background()
-thread.join(timeout=120)
+for thread in threading.enumerate():
+    if thread is not threading.main_thread():
+        thread.join(timeout=120)
 probed = valid_vec_isa_list.cache_info()
 torch.compile(lambda x: x * 2 + 1)(torch.ones(8))  # the first C++ build of this process
 compiled = valid_vec_isa_list.cache_info()
@@ -29,19 +37,21 @@ print(json.dumps({"probed": [probed.misses, probed.currsize], "misses after comp
 
 
 @pytest.mark.slow
-def test_the_first_compile_uses_the_answer_probed_in_the_background():
+@pytest.mark.xfail(strict=True, reason=NOT_IN_THE_ONE_FLOW)
+def test_the_first_compile_uses_the_answer_the_entry_probed_in_the_background():
     done = subprocess.run([sys.executable, "-c", PROGRAM], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["probed"] == [1, 1]  # asked once, by the thread
+    assert seen["probed"] == [1, 1]  # asked once, by the entry's thread
     assert seen["misses after compile"] == 1 and seen["hits after compile"] >= 1  # the compile reused it
 
 
+@pytest.mark.xfail(strict=True, reason=NOT_IN_THE_ONE_FLOW)
 def test_no_probe_off_the_cpu_backend(monkeypatch):
     import adapter
+    from adapter import compile_probe
     from adapter.backend import Backend
-    from adapter.training import compile_probe
 
     monkeypatch.setattr(adapter, "current_backend", lambda: Backend("cuda"))
     assert compile_probe.probe_in_background() is None

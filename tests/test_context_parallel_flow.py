@@ -1,22 +1,23 @@
-"""Context parallelism in the pretrain flow on gloo ranks: the same global batch gives the CP1 loss curve at
-CP2 (ring attention and Ulysses) and at TP2 x CP2, and for a hybrid model (Qwen3.5's Gated DeltaNet layers
-through megatron's own context parallelism); a CP2 run resumes bit-exactly and loads at CP1.
+"""Context parallelism in the one flow (scripts/pretrain_gpt.py: megatron.training's pretrain) on gloo
+ranks: the same global batch gives the CP1 loss curve at CP2 (ring attention and Ulysses) and at TP2 x CP2,
+and for a hybrid model (Qwen3.5's Gated DeltaNet layers through megatron's own context parallelism); a CP2
+run resumes bit-exactly and loads at CP1.
 
 The runs are few (each costs 10-30 s on two cores): one CP1 reference curve that the others are compared
 with. ``--eod-mask-loss`` leaves the CP ranks different numbers of unmasked tokens, so the curves also check
 that each rank's tokens weigh as in the unsplit sequence (the loss reduced over the CP group). The argument
-refusals are in tests/test_arguments.py, the 32K layout's plan in tests/test_memory_plan.py."""
+refusals are in tests/test_flow_arguments.py, the 32K layout's plan in tests/test_memory_plan.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.distributed import run_ranks
-from tests.pretrain_ranks import logged_losses as _losses
-from tests.pretrain_ranks import run_pretrain, run_pretrain_printing, stopped_at
+from tests.flow_ranks import logged_losses as _losses
+from tests.flow_ranks import run_pretrain, stopped_at
 from tests.test_pretrain import NPU_DOUBLE
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.megatron_training]
 
 ITERS = 6
 
@@ -32,12 +33,10 @@ def _argv(*extra: str, tp: int = 1, cp: int = 1) -> list[str]:
             "--ddp-bucket-size", "4096", "--seed", "7", *extra]
 
 
-
-
 def _validation(results: list[dict]) -> dict[int, float]:
-    """iteration -> validation lm loss, from a rank that evaluated a loss."""
-    return next(curve for curve in ({v["iteration"]: v["lm loss"] for v in r["validation"] if "lm loss" in v}
-                                    for r in reversed(results)) if curve)
+    """iteration -> validation lm loss at the evaluation interval, from a rank that evaluated a loss."""
+    return next(curve for curve in ({v["iteration"]: v["lm loss"] for v in r["validation"]
+                                     if "lm loss" in v and not v["final"]} for r in reversed(results)) if curve)
 
 
 def _assert_close(curve: dict, reference: dict, tolerance: float) -> None:
@@ -85,7 +84,7 @@ def test_cp2_ring_attention_through_the_npu_provider_gives_the_cp1_curve(referen
     """The npu provider over the torch_npu double: the ring's blocks on npu_fusion_attention and its grad,
     merged by npu_ring_attention_update (tests/test_context_parallel.py counts the calls), give the torch
     provider's CP1 curve."""
-    runs = run_ranks(2, run_pretrain_printing, _argv(cp=2), env=NPU_DOUBLE)
+    runs = run_ranks(2, run_pretrain, _argv(cp=2), env=NPU_DOUBLE)
     assert "kernels from the npu provider" in runs[0]["stdout"], runs[0]["stdout"][-2000:]
     _assert_close(_losses(runs), reference, 1e-5)
 

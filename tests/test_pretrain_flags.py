@@ -1,10 +1,11 @@
-"""Megatron-LM's flags the pretrain flow takes with Megatron-LM's meanings, each against the flow without it
-on 2 gloo ranks: selective recompute of core attention and ``--transformer-impl transformer_engine`` (the
-adapter's spec where TE is not importable) train the same curve bit for bit, per-token loss the same curve
-where every micro-batch holds the same number of tokens, and ``--manual-gc`` turns Python's collector off and
-collects every ``--manual-gc-interval`` iterations, ``--async-save`` writes the synchronous save's checkpoint in
-the background and resumes from it. Refusals of the flags the flow lacks: tests/test_arguments.py; multi-latent
-attention and MTP: tests/test_deepseek.py."""
+"""Megatron-LM's flags the one flow (scripts/pretrain_gpt.py: megatron.training's pretrain) takes with
+Megatron-LM's meanings, each against the flow without it on 2 gloo ranks: selective recompute of core
+attention and ``--transformer-impl transformer_engine`` (megatron's local spec where TE is not importable)
+train the local spec's curve bit for bit, per-token loss the same curve where every micro-batch holds the
+same number of tokens, ``--manual-gc`` turns Python's collector off and collects every
+``--manual-gc-interval`` iterations, ``--async-save`` writes the synchronous save's checkpoint in the
+background and resumes from it. Refusals of the flags the flow lacks: tests/test_flow_arguments.py;
+multi-latent attention and MTP: tests/test_deepseek.py."""
 
 from __future__ import annotations
 
@@ -14,25 +15,27 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.pretrain_ranks import logged_losses, run_pretrain, run_pretrain_printing
+from tests.flow_ranks import logged_losses, run_pretrain, stopped_at
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.megatron_training]
 
 # DP2, two micro-batches of 2 per rank and step; no dropout, so a recomputed forward is the same forward
 ARGV = ["--model", "qwen2.5-tiny", "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "32",
         "--train-iters", "4", "--lr", "3e-3", "--lr-warmup-iters", "1", "--mock-data", "--log-interval", "1",
-        "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7"]
+        "--eval-interval", "1000", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--seed", "7"]
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[int, float]:
-    return logged_losses(run_ranks(2, run_pretrain, ARGV))
+    """megatron's local spec (the flow's --transformer-impl default is Megatron-LM's, transformer_engine)."""
+    return logged_losses(run_ranks(2, run_pretrain, [*ARGV, "--transformer-impl", "local"]))
 
 
 def test_selective_recompute_of_core_attention_under_megatron_lms_default_impl_trains_the_same_curve(reference):
     """--recompute-modules reaches megatron's TransformerConfig (core_attn, megatron's default module);
     --transformer-impl transformer_engine without TE runs the adapter's spec and says so once, on rank 0."""
-    results = run_ranks(2, run_pretrain_printing, [*ARGV, "--recompute-granularity", "selective",
+    results = run_ranks(2, run_pretrain, [*ARGV, "--recompute-granularity", "selective",
                                                    "--recompute-modules", "core_attn",
                                                    "--transformer-impl", "transformer_engine"])
     assert logged_losses(results) == reference
@@ -71,34 +74,31 @@ def pretrain_counting_collections(argv: list[str]) -> dict:
 
 def test_manual_gc_turns_the_collector_off_and_collects_every_interval():
     """Megatron-LM's meaning: the collector off from the first iteration, one full collection as it goes
-    off and one after every --manual-gc-interval-th iteration (4 iterations, interval 2: at 2 and 4)."""
+    off and one after every --manual-gc-interval-th iteration (4 iterations, interval 2: at 2 and 4); it stays
+    off after training, where megatron.training's process ends (the own loop turned it on again)."""
     [manual] = run_ranks(1, pretrain_counting_collections, [*ARGV, "--global-batch-size", "4", "--manual-gc",
                                                             "--manual-gc-interval", "2"])
-    assert manual == {"explicit": [2, 2, 2], "enabled_after": True}
+    assert manual == {"explicit": [2, 2, 2], "enabled_after": False}
     [default] = run_ranks(1, pretrain_counting_collections, [*ARGV, "--global-batch-size", "4"])
     assert default == {"explicit": [], "enabled_after": True}
 
 
 def pretrain_counting_layers(argv: list[str]) -> dict:
-    """run_pretrain, with the number of transformer layers this rank's model chunk holds."""
-    import torch
-    from megatron.core.enums import ModelType
+    """run_pretrain, with the number of transformer layers each model chunk megatron built on this rank holds."""
+    from megatron.training import training
 
-    from adapter.training import pretrain as flow
-    from adapter.training.data import train_valid_test_datasets_provider
-    from adapter.training.gpt_step import forward_step, model_provider
+    built, setup = [], training.setup_model_and_optimizer
 
-    built = []
+    def counting(*args, **kwargs):
+        result = setup(*args, **kwargs)
+        built.extend(len(chunk.module.decoder.layers) for chunk in result[0])
+        return result
 
-    def counting(**kwargs):
-        model = model_provider(**kwargs)
-        built.append(len(model.decoder.layers))
-        return model
-
-    history = flow.pretrain(train_valid_test_datasets_provider, counting, ModelType.encoder_or_decoder,
-                            forward_step, argv=argv)
-    torch.distributed.destroy_process_group()
-    return {**history, "layers": built}
+    training.setup_model_and_optimizer = counting
+    try:
+        return {**run_pretrain(argv), "layers": built}
+    finally:
+        training.setup_model_and_optimizer = setup
 
 
 PP2 = [*ARGV, "--pipeline-model-parallel-size", "2"]
@@ -130,15 +130,15 @@ def _bytes_by_rank(checkpoint) -> dict[int, int]:
 
 
 def test_fully_parallel_save_shares_the_writing_and_a_fully_parallel_load_resumes_bit_exactly(tmp_path):
-    """At DP2 the first replica writes the whole model without --ckpt-fully-parallel-save; with it both
-    ranks write a part; the checkpoint, read back with --ckpt-fully-parallel-load, continues the curve."""
+    """At DP2 both ranks write a part (Megatron-LM's default, a fully parallel save); with
+    --no-ckpt-fully-parallel-save the first replica writes the whole model; the checkpoint, read back with
+    --ckpt-fully-parallel-load, continues the curve."""
     from adapter import checkpoint_dir
-    from tests.pretrain_ranks import stopped_at
 
     plain, shared = tmp_path / "plain", tmp_path / "shared"
-    run_ranks(2, run_pretrain, [*ARGV, "--train-iters", "2", "--save", str(plain)])
-    reference = logged_losses(run_ranks(2, run_pretrain, [*ARGV, "--save", str(shared), "--save-interval", "2",
-                                                          "--ckpt-fully-parallel-save"]))
+    run_ranks(2, run_pretrain, [*ARGV, "--train-iters", "2", "--save", str(plain), "--save-interval", "2",
+                                "--no-ckpt-fully-parallel-save"])
+    reference = logged_losses(run_ranks(2, run_pretrain, [*ARGV, "--save", str(shared), "--save-interval", "2"]))
     alone = _bytes_by_rank(plain / checkpoint_dir.checkpoint_name(2))
     both = _bytes_by_rank(shared / checkpoint_dir.checkpoint_name(2))
     assert alone[0] > 10 * alone.get(1, 0) and min(both[0], both[1]) > sum(both.values()) / 4, (alone, both)
@@ -189,7 +189,6 @@ def test_async_save_writes_the_sync_saves_checkpoint_and_resumes_bit_exactly(tmp
     curve is the one a synchronous save leaves), published once written (both iterations' checkpoints, the
     tracker at the last), holds the same tensors as the synchronous save's, and resumes the curve bit for bit."""
     from adapter import checkpoint_dir
-    from tests.pretrain_ranks import stopped_at
 
     sync, background = tmp_path / "sync", tmp_path / "async"
     saving = ["--save-interval", "2", "--use-distributed-optimizer"]

@@ -1,6 +1,5 @@
-"""Preemption and non-finite steps on gloo ranks: megatron.training's --exit-signal-handler through
-scripts/pretrain_gpt.py (patches/early_exit.py), the own loop's --exit-duration-in-mins
-(adapter/training/preemption.py), non-finite steps.
+"""Preemption and non-finite steps on gloo ranks through scripts/pretrain_gpt.py (megatron.training's
+pretrain): --exit-signal-handler (patches/early_exit.py), --exit-duration-in-mins, non-finite steps.
 
 Preemption: SIGTERM to the launcher only, or to every process of the job as a scheduler sends it; every rank
 finishes its iteration, the flow saves it, the job exits 0 (scripts/launch.py; plain torchrun exits 1), and the
@@ -21,9 +20,9 @@ import pytest
 
 from adapter import checkpoint_dir
 from tests.distributed import ROOT, _base_env, free_port, launch_script, run_ranks
-from tests.pretrain_ranks import logged_losses, run_pretrain, run_pretrain_noting_reruns
+from tests.flow_ranks import logged_losses, run_pretrain
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.megatron_training]
 
 
 def _argv(*extra: str, lr: str = "3e-3", iters: int = 1000) -> list[str]:
@@ -33,12 +32,6 @@ def _argv(*extra: str, lr: str = "3e-3", iters: int = 1000) -> list[str]:
             "--train-iters", str(iters), "--lr", lr, "--min-lr", "3e-4", "--lr-decay-style", "cosine",
             "--lr-warmup-iters", "2", "--mock-data", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout",
             "0", "--attention-dropout", "0", "--seed", "7", *extra]
-
-
-@pytest.fixture(scope="module")
-def reference() -> dict[int, float]:
-    """The uninterrupted curve, iterations 1-24."""
-    return logged_losses(run_ranks(2, run_pretrain, _argv("--exit-interval", "24")))
 
 
 def _saved(directory) -> list[str]:
@@ -128,21 +121,39 @@ def test_plain_torchrun_saves_as_well_but_exits_1(tmp_path):
     assert output.rstrip().endswith("SignalException: Process " + str(pid) + " got signal: 15"), output[-4000:]
 
 
-def test_the_time_budget_saves_and_leaves_before_it_runs_out_and_the_next_launch_resumes_exactly(
-        reference, tmp_path):
-    """How many iterations fit in 6 s depends on the machine (31 on CI's once): past the shared reference's 24,
-    the uninterrupted curve is run to the resumed run's end."""
-    results = run_ranks(2, run_pretrain, _argv("--exit-duration-in-mins", "0.1", "--save", str(tmp_path)))
-    iteration = results[0]["iteration"]
-    assert 1 <= iteration < 1000 and [r["iteration"] for r in results] == [iteration, iteration]
-    assert results[0]["stopped"].startswith("another iteration would end 0.")
-    assert results[0]["stopped"].endswith("minutes after the launch, past --exit-duration-in-mins 0.1")
+def _budgeted(save) -> list[str]:
+    """A run given a minute (megatron's budget is whole minutes) from its processes' start, saved where it
+    stops."""
+    return _flow_argv("--exit-duration-in-mins", "1", "--save", str(save), "--save-interval", "1000")
+
+
+def test_the_time_budget_saves_and_leaves_and_the_next_launch_resumes_exactly(tmp_path):
+    """megatron.training's --exit-duration-in-mins, from the launched processes' start: once an iteration ends
+    past it, every rank saves that iteration and the job exits 0. How many iterations fit depends on the
+    machine; the resumed iterations are compared, as each step reduced its loss, with a run never stopped."""
+    ranks = launch_script("scripts/pretrain_gpt.py", _budgeted(tmp_path))
+    output = "".join(output for _, output in ranks)
+    assert [status for status, _ in ranks] == [0, 0], output[-4000:]
+    spent = re.findall(r"exiting program after ([0-9.]+) minutes", output)
+    assert spent and float(spent[0]) > 1, output[-4000:]
+    iteration = int((tmp_path / checkpoint_dir.TRACKER).read_text())
+    assert 1 <= iteration < 1000
     assert _saved(tmp_path) == [checkpoint_dir.checkpoint_name(iteration), checkpoint_dir.TRACKER]
-    resumed = logged_losses(run_ranks(2, run_pretrain, _argv("--load", str(tmp_path), "--exit-interval",
-                                                             str(iteration + 3))))
-    if iteration + 3 > max(reference):
-        reference = logged_losses(run_ranks(2, run_pretrain, _argv("--exit-interval", str(iteration + 3))))
-    assert resumed == {i: reference[i] for i in range(iteration + 1, iteration + 4)}
+    end = ("--exit-interval", str(iteration + 3))
+    resumed = logged_losses(run_ranks(2, run_pretrain, _flow_argv("--load", str(tmp_path), *end)))
+    uninterrupted = logged_losses(run_ranks(2, run_pretrain, _flow_argv(*end)))
+    assert resumed == {i: uninterrupted[i] for i in range(iteration + 1, iteration + 4)}
+
+
+@pytest.mark.xfail(strict=True, reason="the one flow says no line for an --exit-duration-in-mins stop "
+                   "(patches/early_exit.py says it for --exit-signal-handler only), and megatron leaves after an "
+                   "iteration past the budget, not before one would end past it as the own loop did")
+def test_the_time_budget_says_in_one_line_why_it_stopped_before_the_budget_ran_out(tmp_path):
+    ranks = launch_script("scripts/pretrain_gpt.py", _budgeted(tmp_path), world_size=1)
+    output = ranks[0][1]
+    assert ranks[0][0] == 0, output[-4000:]
+    [line] = [line for line in output.splitlines() if "[adapter] stopped after iteration" in line]
+    assert "minutes after the launch, past --exit-duration-in-mins 1" in line, line
 
 
 FOUND = "error: iteration 3: the loss is nan on rank 0 (found NaN in local forward loss calculation); "
@@ -204,12 +215,25 @@ def test_a_transient_nan_is_rerun_then_stops_and_the_next_launch_resumes_exactly
     assert [resumed[4], resumed[5]] == [flow_reference[4], flow_reference[5]]
 
 
-def test_a_transient_spiky_loss_is_rerun_and_training_continues_on_the_clean_curve(reference):
+def pretrain_noting_reruns(argv: list[str]) -> dict:
+    """run_pretrain, with what megatron's rerun state machine logged on this rank under "reruns"."""
+    import logging
+
+    noted: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: noted.append(record.getMessage())
+    logging.getLogger("megatron.core.rerun_state_machine").addHandler(handler)
+    return {**run_pretrain(argv), "reruns": noted}
+
+
+def test_a_transient_spiky_loss_is_rerun_and_training_continues_on_the_clean_curve():
     """The spiky-loss check is not fatal: each injected rejection (every iteration from the second) is re-run,
-    found not reproducible, and training continues with the re-run step: the clean curve, bit for bit."""
-    results = run_ranks(2, run_pretrain_noting_reruns, _argv(
+    found not reproducible, and training continues with the re-run step: the clean curve, bit for bit (each
+    iteration's loss as the step reduced it, in the rank's process)."""
+    clean = logged_losses(run_ranks(2, run_pretrain, _flow_argv("--exit-interval", "5")))
+    results = run_ranks(2, pretrain_noting_reruns, _flow_argv(
         "--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss", "--error-injection-rate", "1",
         "--exit-interval", "5"))
-    assert logged_losses(results) == {i: reference[i] for i in range(1, 6)}
+    assert logged_losses(results) == clean and sorted(clean) == [1, 2, 3, 4, 5]
     continued = [m for m in results[0]["reruns"] if m.startswith("Continuing normal execution")]
     assert len(continued) == 4, results[0]["reruns"]
