@@ -25,6 +25,8 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 from adapter import device
 from flow import releases
 
+# Megatron-LM's pretrain_gpt.py's: a loss this many times the recent ones is a spike to re-run
+SPIKY_LOSS_FACTOR = 10
 _BATCH = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 # GPTDatasetConfig fields whose megatron.training argument has another name; the rest share theirs
 _RENAMED = {"random_seed": "seed", "sequence_length": "seq_length", "path_to_cache": "data_cache_path",
@@ -81,15 +83,20 @@ def _read(data_iterator) -> dict:
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """(sum of unmasked token losses, their count, {"lm loss": [sum, count]}): megatron's schedule divides by
-    the tokens of all micro-batches and data-parallel ranks. A NaN / Inf sum goes to the rerun state machine
-    under ``--check-for-nan-in-loss-and-grad``, megatron's own stop for it."""
+    the tokens of all micro-batches and data-parallel ranks. The sum goes to megatron's rerun state machine as
+    Megatron-LM's pretrain_gpt.py hands it over: a NaN / Inf under ``--check-for-nan-in-loss-and-grad`` (fatal),
+    a loss ``SPIKY_LOSS_FACTOR`` times the recent ones under ``--check-for-spiky-loss`` (re-run, not fatal)."""
     mask = loss_mask.view(-1).float()
     loss = torch.sum(output_tensor.view(-1).float() * mask)
-    if get_args().check_for_nan_in_loss_and_grad:
-        machine = get_rerun_state_machine()
+    args, machine = get_args(), get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
         for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
             machine.validate_result(result=loss, rejection_func=reject, tolerance=0.0, fatal=True,
                                     message=f"found {what} in local forward loss calculation")
+    if args.check_for_spiky_loss:
+        machine.validate_result(result=loss, rejection_func=functools.partial(
+            machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"),
+            message="Spiky loss", tolerance=0.0, fatal=False)
     tokens = mask.sum().clone().detach().to(torch.int)
     return loss, tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), tokens.view(1)])}
 
