@@ -24,7 +24,10 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a checkout
 
 import adapter  # noqa: E402,F401  - before megatron
+from adapter import compile_probe  # noqa: E402
 from adapter import run as adapter_run  # noqa: E402
+
+compile_probe.probe_in_background()  # beside the imports still to come (adapter/compile_probe.py)
 
 
 def main() -> int:

@@ -1,8 +1,6 @@
 """The launch asks torch.compile's CPU vector-ISA question in the background, so the first compiled call (the
 torch provider's RMSNorm, megatron's fused functions) finds the answer instead of probing inside the first
-iteration. The own loop's entry did (adapter/training/compile_probe.py, started by bench/pretrain_gpt_own.py);
-the one flow's, scripts/pretrain_gpt.py, does not yet: the probe has to move out of adapter/training (as
-adapter/compile_probe.py) and the entry start it before it imports the flow."""
+iteration: scripts/pretrain_gpt.py starts adapter/compile_probe.py's probe before it imports the flow."""
 
 from __future__ import annotations
 
@@ -14,9 +12,6 @@ import sys
 import pytest
 
 from tests.distributed import ROOT
-
-NOT_IN_THE_ONE_FLOW = ("scripts/pretrain_gpt.py starts no vector-ISA probe: adapter/training/compile_probe.py "
-                       "goes with the own loop and is not yet in adapter/ or called by the one flow's entry")
 
 PROGRAM = r"""
 import json
@@ -37,7 +32,6 @@ print(json.dumps({"probed": [probed.misses, probed.currsize], "misses after comp
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=NOT_IN_THE_ONE_FLOW)
 def test_the_first_compile_uses_the_answer_the_entry_probed_in_the_background():
     done = subprocess.run([sys.executable, "-c", PROGRAM], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
@@ -47,7 +41,6 @@ def test_the_first_compile_uses_the_answer_the_entry_probed_in_the_background():
     assert seen["misses after compile"] == 1 and seen["hits after compile"] >= 1  # the compile reused it
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_IN_THE_ONE_FLOW)
 def test_no_probe_off_the_cpu_backend(monkeypatch):
     import adapter
     from adapter import compile_probe
