@@ -55,7 +55,7 @@ def refusal(exc: BaseException, args, owner: str = "args",
     if not reason:
         reason = f"{checker} requires {_condition(test, owner) if test else 'what an assertion says'}"
         reason += f" when {_condition(guard, owner)}" if guard else ""
-    given = ", ".join(_as_given(name, args) for name in dict.fromkeys(names))
+    given = ", ".join(as_given(name, args) for name in dict.fromkeys(names))
     return InputRefused(f"{given}: {reason}" if given else reason)
 
 
@@ -72,7 +72,7 @@ def tokenizer_refusal(exc: BaseException, args) -> InputRefused | None:
     refused = refusal(exc, args)
     if refused is None:
         return None
-    given = ", ".join(_as_given(name, args) for name in ("tokenizer_type", "tokenizer_model"))
+    given = ", ".join(as_given(name, args) for name in ("tokenizer_type", "tokenizer_model"))
     return InputRefused(f"{given}: {refused}")
 
 
@@ -124,15 +124,22 @@ def _failed_check(filename: str, lineno: int) -> tuple[ast.expr | None, ast.expr
 
 
 @functools.cache
+@functools.cache
 def _flags() -> dict[str, argparse.Action]:
-    """Megatron-LM's option for each argument name (``hidden_size``: ``--hidden-size``)."""
+    """Megatron-LM's option for each argument name (``hidden_size``: ``--hidden-size``); its parser built once."""
     from megatron.training.arguments import add_megatron_arguments
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     return {action.dest: action for action in reversed(parser._actions) if action.option_strings}
 
 
-def _as_given(name: str, args) -> str:
+def flag_default(name: str):
+    """The default of Megatron-LM's flag for argument ``name`` (None for a value no flag sets)."""
+    action = _flags().get(name)
+    return None if action is None else action.default
+
+
+def as_given(name: str, args) -> str:
     """``--hidden-size 64``, ``--bf16``, ``without --bf16``, ``--eval-interval unset``; a value no flag sets
     (megatron derives it) as ``name=value``."""
     value, action = getattr(args, name, None), _flags().get(name)
@@ -171,7 +178,7 @@ def check_sizes(args) -> None:
     for name in _POSITIVE:
         value = getattr(args, name, None)
         if value is not None and value <= 0:
-            raise InputRefused(f"{_as_given(name, args)}: must be positive")
+            raise InputRefused(f"{as_given(name, args)}: must be positive")
 
 
 def check_moe_routing(args) -> None:
@@ -179,7 +186,7 @@ def check_moe_routing(args) -> None:
     model (no --num-experts) that is a TypeError on every rank as the config is built."""
     if getattr(args, "moe_router_num_groups", None) and not getattr(args, "num_experts", None):
         given = [name for name in ("moe_router_num_groups", "moe_router_group_topk") if getattr(args, name, None)]
-        raise InputRefused(f"{', '.join(_as_given(name, args) for name in given)} without --num-experts: "
+        raise InputRefused(f"{', '.join(as_given(name, args) for name in given)} without --num-experts: "
                            "group-limited routing chooses among experts; pass --num-experts N for a mixture of "
                            "experts, or leave the routing flags out for a dense model")
 
@@ -279,7 +286,7 @@ def schedule_refusal(exc: BaseException, args) -> InputRefused | None:
         return None
     values = [node.attr for node in ast.walk(test) if isinstance(node, ast.Attribute)]
     names = [name for value in values for name in _SCHEDULE_SOURCES.get(value, ()) if getattr(args, name, None)]
-    given = ", ".join(_as_given(name, args) for name in dict.fromkeys(names))
+    given = ", ".join(as_given(name, args) for name in dict.fromkeys(names))
     reason = (f"the learning-rate schedule megatron builds from them needs {ast.unparse(test).replace('self.', '')}"
               f" (megatron-core's OptimizerParamScheduler)")
     return InputRefused(f"{given}: {reason}" if given else reason)

@@ -13,7 +13,7 @@ import functools
 
 from packaging.version import Version
 
-from adapter import input_refusals
+from adapter import input_refusals, moe_refusals
 from adapter.registry import installed_megatron_core_version
 
 _T = "megatron.training."
@@ -23,16 +23,18 @@ def one_line_refusals(validate_args):
     """Outermost around ``validate_args`` (registered last): every rank fails the same check the same way,
     before any process group exists, so its exception becomes the refusal; an exception from elsewhere
     than megatron's checks keeps its traceback. Before it the sizes it divides by; after it the checks
-    megatron lacks (schedule, tokenizer, MoE routing, manual GC)."""
+    megatron lacks (schedule, tokenizer, MoE settings: adapter/moe_refusals.py, manual GC)."""
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
         input_refusals.check_sizes(args)
+        moe_refusals.check_before(args)
         validated = input_refusals.refused_call(lambda: validate_args(args, *rest, **kwargs),
                                                 input_refusals.refusal, args)
         input_refusals.check_schedule(args)
         input_refusals.check_tokenizer(args)
         input_refusals.check_moe_routing(args)
+        moe_refusals.check(args)
         input_refusals.check_manual_gc(args)
         return validated
 

@@ -28,43 +28,33 @@ DENSE = ["--model", "gpt-tiny", *BASE]
 BARE_MOE = [*BARE, "--num-experts", "4"]
 SIX = ["--global-batch-size", "6"]  # divisible at 3 ranks
 
-# megatron.training's parser and TransformerConfig take these; the adapter has no check that says them in one line
-TAKEN = "megatron.training takes it (validate_args and TransformerConfig do not check it); no adapter refusal"
-
-
-def _taken(argv: list[str], world: int, line: str):
-    return pytest.param(argv, world, line, marks=pytest.mark.xfail(strict=True, reason=TAKEN), id=line[:50])
-
-
-# (arguments, world size, the line's start); the old loop's lines where the one flow takes the arguments
+# (arguments, world size, the line's start): megatron's own checks said in one line, and those megatron lacks
+# (adapter/moe_refusals.py)
 REFUSED = [
     ([*MOE, "--expert-model-parallel-size", "3", *SIX], 3,
      "--expert-model-parallel-size 3, --num-experts 8: Number of experts should be a multiple of expert model "
      "parallel_size."),
-    _taken([*MOE, "--expert-model-parallel-size", "4"], 2,
-           "world size 2 is not divisible by expert tensor (1) x expert (4) x pipeline (1) parallel = 4"),
-    _taken([*MOE, "--expert-model-parallel-size", "0"], 2, "--expert-model-parallel-size 0: must be positive"),
-    _taken([*MOE, "--expert-tensor-parallel-size", "3", *SIX], 3,
-           "expert tensor parallel size 3 does not divide expert_ffn_hidden_size=64"),
+    ([*MOE, "--expert-model-parallel-size", "4"], 2,
+     "world size 2 is not divisible by expert tensor (1) x expert (4) x pipeline (1) parallel = 4"),
+    ([*MOE, "--expert-model-parallel-size", "0"], 2, "--expert-model-parallel-size 0: must be positive"),
+    ([*MOE, "--expert-tensor-parallel-size", "3", *SIX], 3,
+     "expert tensor parallel size 3 does not divide the experts' FFN size 64 (--moe-ffn-hidden-size)"),
     ([*BARE_MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
      "without --disable-bias-linear, --expert-tensor-parallel-size 2: Bias in Moe is only supported when ETP==1"),
-    _taken([*MOE, "--tensor-model-parallel-size", "2"], 2, "a MoE model at TP 2 needs --sequence-parallel"),
-    pytest.param([*MOE, "--num-experts", "-1"], 2, "--num-experts -1: must be zero or more",
-                 marks=pytest.mark.xfail(strict=True, reason="refused in one line by megatron's TransformerConfig, "
-                                                             "which names neither the flag nor the value"),
-                 id="--num-experts -1"),
-    _taken([*MOE, "--moe-router-topk", "9"], 2, "moe_router_topk=9 exceeds num_experts=8"),
+    ([*MOE, "--tensor-model-parallel-size", "2"], 2, "a MoE model at TP 2 needs --sequence-parallel"),
+    ([*MOE, "--num-experts", "-1"], 2, "--num-experts -1: must be zero or more"),
+    ([*MOE, "--moe-router-topk", "9"], 2, "--moe-router-topk 9 exceeds --num-experts 8"),
     ([*MOE, "--moe-router-topk", "1"], 2,
      "--moe-router-topk 1, --moe-router-score-function softmax, without --moe-router-pre-softmax, "
      "--moe-router-load-balancing-type aux_loss: Please use --moe-router-pre-softmax when topk is 1."),
     ([*MOE, "--moe-router-enable-expert-bias"], 2,
      "--moe-router-enable-expert-bias, --moe-router-score-function softmax: Expert bias for aux-loss-free routing "
      "only supports 'sigmoid' and 'sqrtsoftplus' score functions."),
-    _taken([*MOE, "--moe-router-topk-scaling-factor", "0"], 2, "moe_router_topk_scaling_factor=0.0: must be positive"),
-    _taken([*MOE, "--moe-layer-freq", "[1,0]"], 2,
-           "moe_layer_freq=[1, 0]: a pattern needs one 0 (dense) or 1 (MoE) per layer, 4 in all"),
-    _taken([*MOE, "--moe-shared-expert-gate"], 2, "moe_shared_expert_gate=True without a shared expert"),
-    _taken([*MOE, "--moe-shared-expert-overlap"], 2, "--moe-shared-expert-overlap without a shared expert"),
+    ([*MOE, "--moe-router-topk-scaling-factor", "0"], 2, "--moe-router-topk-scaling-factor 0.0: must be positive"),
+    ([*MOE, "--moe-layer-freq", "[1,0]"], 2,
+     "--moe-layer-freq 1 0: a pattern needs one 0 (dense) or 1 (MoE) per layer, 4 in all"),
+    ([*MOE, "--moe-shared-expert-gate"], 2, "--moe-shared-expert-gate without a shared expert"),
+    ([*MOE, "--moe-shared-expert-overlap"], 2, "--moe-shared-expert-overlap without a shared expert"),
     (["--model", "gpt-tiny-moe-shared", *BASE, "--moe-shared-expert-overlap"], 2,
      "--moe-shared-expert-overlap, --moe-token-dispatcher-type allgather: moe_shared_expert_overlap only works "
      "with alltoall or flex token dispatcher."),
@@ -74,7 +64,7 @@ REFUSED = [
     ([*MOE, "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01"], 2,
      "--moe-router-load-balancing-type aux_loss seq_aux_loss, --moe-aux-loss-coeff 0.01: moe_aux_loss_coeff must "
      "be a list of the same length as moe_router_load_balancing_type"),
-    _taken([*MOE, "--moe-aux-loss-coeff", "-0.01"], 2, "--moe-aux-loss-coeff -0.01: must be zero or more"),
+    ([*MOE, "--moe-aux-loss-coeff", "-0.01"], 2, "--moe-aux-loss-coeff -0.01: must be zero or more"),
     # the model's one coefficient (Qwen3-MoE's 0.001) with two types
     (["--model", "qwen3-moe-tiny", *BASE, "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], 2,
      "--moe-router-load-balancing-type aux_loss seq_aux_loss, --moe-aux-loss-coeff 0.001: moe_aux_loss_coeff must "
@@ -82,9 +72,9 @@ REFUSED = [
     ([*DENSE, "--expert-model-parallel-size", "2"], 2,
      "--expert-model-parallel-size 2, --num-experts unset: num_experts must be non None to use expert model "
      "parallelism"),
-    _taken([*DENSE, "--moe-aux-loss-coeff", "0.01", "--moe-grouped-gemm"], 2,
-           "--moe-aux-loss-coeff, --moe-grouped-gemm for a dense model"),
-    _taken([*DENSE, "--moe-router-topk", "4"], 2, "moe_router_topk=4 on a dense model (num_experts=None)"),
+    ([*DENSE, "--moe-aux-loss-coeff", "0.01", "--moe-grouped-gemm"], 2,
+     "--moe-aux-loss-coeff 0.01, --moe-grouped-gemm for a dense model"),
+    ([*DENSE, "--moe-router-topk", "4"], 2, "--moe-router-topk 4 for a dense model"),
 ]
 
 
