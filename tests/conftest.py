@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -76,9 +77,48 @@ REQUIREMENTS = {"cuda": _cuda_missing, "npu": _npu_missing, "megatron_lm": _mega
                 "megatron_training": _megatron_training_missing}
 
 
+# what a test module's code names when it runs the flow: an import of megatron.training, of the flow's package
+# or of the in-process harness, or the script's path as a string
+_RUNS_THE_FLOW = re.compile(r"^\s*(from|import) (megatron\.training|flow\b|tests\.flow_ranks)|^\s*from tests import .*"
+                            r"\bflow_ranks\b|[\"']scripts/pretrain_gpt\.py[\"']", re.MULTILINE)
+
+
+_TESTS_IMPORT = re.compile(r"^\s*from tests(?:\.(\w+))? import ([\w, ]+)", re.MULTILINE)
+
+
+@functools.cache
+def runs_the_flow(path: Path) -> bool:
+    """Whether the test module at ``path`` runs megatron.training (by the rule of ``_RUNS_THE_FLOW``, in it or in
+    a module of tests/ it imports): its tests are ``megatron_training`` tests, and where megatron.training is
+    missing (0.16.1 without a checkout) the module is skipped whole, before an import of it fails."""
+    source = path.read_text()
+    if _RUNS_THE_FLOW.search(source):
+        return True
+    imported = {module or name.strip() for module, names in _TESTS_IMPORT.findall(source)
+                for name in ([""] if module else names.split(","))}
+    helpers = (path.with_name(f"{name}.py") for name in imported if name)
+    return any(helper != path and helper.exists() and runs_the_flow(helper) for helper in helpers)
+
+
+class _SkippedModule(pytest.Module):
+    def collect(self):
+        pytest.skip(_megatron_training_missing(), allow_module_level=True)
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if module_path.name.startswith("test_") and runs_the_flow(module_path) and _missing_training() is not None:
+        return _SkippedModule.from_parent(parent, path=module_path)
+    return None
+
+
+_missing_training = functools.cache(_megatron_training_missing)
+
+
 def pytest_collection_modifyitems(config, items):
     missing = {name: functools.cache(check) for name, check in REQUIREMENTS.items()}
     for item in items:
+        if runs_the_flow(Path(item.fspath)):
+            item.add_marker(pytest.mark.megatron_training)
         for name, why in missing.items():
             if item.get_closest_marker(name) is not None and why() is not None:
                 item.add_marker(pytest.mark.skip(reason=why()))

@@ -385,6 +385,7 @@ def _check_moe_logs(printed: str, iterations: int, tensorboard) -> None:
 EXPERTS = pytest.mark.parametrize("experts", [(), ("--moe-grouped-gemm",)], ids=["sequential", "grouped"])
 
 
+@pytest.mark.multiproc  # starts ranks for the tests below (tests/test_markers.py reads the mark)
 def _ep2_reference(tmp_path, experts: tuple, *extra: str) -> tuple[dict[int, float], str, object]:
     """EP2 over 8 iterations saved at 4: (its curve, what its ranks printed, a save directory stopped at 4)."""
     saved = tmp_path / "saved"
