@@ -57,13 +57,14 @@ def write_corpus(prefix: Path, vocab: int = 500, documents: int = 400, seed: int
     builder.finalize(str(prefix) + ".idx")
 
 
-def command(corpus: Path, checkpoints: Path, timeout_minutes: float, *extra: str) -> list[str]:
+def command(corpus: Path, checkpoints: Path, timeout_minutes: int, *extra: str) -> list[str]:
     return [sys.executable, str(ROOT / "scripts" / "launch.py"), "--standalone", "--nproc-per-node", "2",
             "--max-restarts", "3", str(ROOT / "scripts" / "pretrain_gpt.py"), "--model", "qwen2.5-tiny",
             "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--seq-length", "64", "--train-iters", str(ITERATIONS), "--lr", "3e-3", "--min-lr", "3e-4",
             "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--tokenizer-type", "NullTokenizer",
             "--data-path", str(corpus), "--split", "100,0,0", "--log-interval", "1", "--eval-iters", "0",
+            "--eval-interval", str(ITERATIONS),
             "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--save", str(checkpoints),
             "--load", str(checkpoints), "--save-interval", str(SAVE_EVERY), "--exit-signal-handler",
             "--distributed-timeout-minutes", str(timeout_minutes), *extra]
@@ -247,7 +248,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
     parser.add_argument("--seed", type=int, default=0, help="draws the faults' moments and ranks")
-    parser.add_argument("--timeout-minutes", type=float, default=0.5, help="--distributed-timeout-minutes")
+    parser.add_argument("--timeout-minutes", type=int, default=1,
+                        help="--distributed-timeout-minutes (megatron.training takes whole minutes)")
     parser.add_argument("--work", help="keep the runs' logs and checkpoints here (default: a temporary folder)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
