@@ -1,4 +1,4 @@
-"""megatron.training's checkpoint saves, published as the adapter's own flow publishes them: never lost.
+"""megatron.training's checkpoint saves, published so that none is ever lost.
 
 Megatron-LM's ``save_checkpoint`` writes ``iter_N`` in place and then rewrites the tracker with a plain
 ``open(..., 'w')``: a process killed while it saves an iteration again (a finished job started again, a

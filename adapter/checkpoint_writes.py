@@ -8,8 +8,8 @@ fresh interpreter which re-imports the entry script, and torch and megatron with
 rank before the first checkpoint is written, the same on a GPU node. An asynchronous save needs it (the
 writing process is another one). A synchronous save writes and collects in the saving process, where a
 plain queue serves. Inside ``results_in_process()``, which megatron.training's ``save_checkpoint`` enters
-without ``--async-save`` (``in_process_unless_async``; the own loop enters it around its synchronous saves),
-the writer gets one; every other save, the asynchronous ones, gets megatron's own queue.
+without ``--async-save`` (``in_process_unless_async``), the writer gets one; every other save, the
+asynchronous ones, gets megatron's own queue.
 """
 
 from __future__ import annotations

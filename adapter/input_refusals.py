@@ -1,5 +1,5 @@
-"""Bad input to megatron.training ends in one line for the job and exit status 2 on every rank, as our own flow's
-arguments do, not in a traceback from every rank (issue 50): for Megatron-LM's pretrain_gpt.py through
+"""Bad input to megatron.training ends in one line for the job and exit status 2 on every rank, not in a
+traceback from every rank (issue 50): for scripts/pretrain_gpt.py, for Megatron-LM's pretrain_gpt.py through
 ``python -m adapter.run``, and so for any script that calls megatron.training's ``pretrain``.
 
 Megatron-LM checks its arguments with some 180 bare or messaged ``assert``s (and a few ``ValueError``s) in
@@ -316,7 +316,7 @@ _checked: set[tuple] = set()  # corpora already decided (megatron builds iterato
 
 def check_data(args) -> None:
     """Every corpus of ``data_prefixes``: its .bin/.idx there, then ``check_corpus`` against the padded
-    vocabulary (the own flow's --no-check-token-ids, where given, skips the scan of the tokens). Decided on
+    vocabulary (an ``args.check_token_ids`` of False, which no Megatron-LM flag sets, skips the scan). Decided on
     rank 0, which reads data on every layout, for every rank (``_decided_on_rank_0``): a refusal is an
     ``InputRefused`` on every rank."""
     prefixes = tuple(data_prefixes(args))

@@ -167,7 +167,7 @@ class _PrefixTolerantLookup:
 
 def require_einops() -> None:
     """Megatron-FSDP's mesh needs einops, which megatron-core does not install (megatron asserts it on every
-    rank when it builds the mesh, after the model is built): one line before that, in either flow."""
+    rank when it builds the mesh, after the model is built): one line before that."""
     if importlib.util.find_spec("einops") is None:
         raise RefusedSetting("--use-megatron-fsdp needs einops, which is not installed (megatron-core does not "
                              "install it): pip install einops, or megatron-device-adapter[fsdp]")

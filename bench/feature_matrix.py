@@ -1,9 +1,9 @@
-"""The feature matrix: each feature of Megatron-LM's recipes, tiny, through both flows (Megatron-LM's own
-pretrain_gpt.py under ``python -m adapter.run``, and this project's scripts/pretrain_gpt.py), on the cpu
+"""The feature matrix: each feature of Megatron-LM's recipes, tiny, through both entry points (Megatron-LM's
+own pretrain_gpt.py under ``python -m adapter.run``, and this project's scripts/pretrain_gpt.py), on the cpu
 backend and with the npu kernel provider against the project's torch_npu double; writes docs/FEATURES.md.
 
 Each cell is one torchrun of a tiny model (4 layers, hidden 64, 4 iterations, --mock-data) with the feature's
-flags, Megatron-LM's spelling in both flows, and ends as one of:
+flags, Megatron-LM's spelling in both entry points, and ends as one of:
 
 - ``trains``: exit status 0 and a finite loss logged at the last iteration;
 - ``refused``: a non-zero exit with no traceback from a worker: the line that says why is shown (and how

@@ -1,4 +1,4 @@
-"""torch_dist checkpoints the project's own loop saved before it wrote megatron's ``args``, resumed by
+"""torch_dist checkpoints the project's earlier loop (removed) saved before it wrote megatron's ``args``, resumed by
 megatron.training as that loop resumed them (``adapter/earlier_checkpoints.py``). The megatron-core wheel has
 megatron.training from 0.17; on 0.16.1 the target stays pending until a Megatron-LM checkout is imported."""
 

@@ -1,5 +1,5 @@
-"""megatron.training's run of a MoE model logs each MoE layer's expert load (adapter/expert_load.py), as the
-own flow does: megatron.training logs the router losses but not the load.
+"""megatron.training's run of a MoE model logs each MoE layer's expert load (adapter/expert_load.py):
+megatron.training logs the router losses but not the load.
 
 The routers of the model ``setup_model_and_optimizer`` returns are counted from the first iteration on,
 under megatron's 0-based layer index (a hybrid model's too: its MoE blocks are layers of their own). At

@@ -156,7 +156,7 @@ def _register_moe_permutation(registry, versions: str, provider) -> None:
 def _kernels_said(initialize_distributed):
     """megatron.training's ``_initialize_distributed``, then rank 0's one line saying what runs in place of
     megatron's silenced fallback warnings (``adapter.report.kernel_summary``: the backend, the kernel
-    provider, each op and the optimizer), as the project's own loop said it at the same point."""
+    provider, each op and the optimizer)."""
 
     @functools.wraps(initialize_distributed)
     def initialize(*args, **kwargs):

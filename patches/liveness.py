@@ -13,7 +13,7 @@ interpreter's exit, before the groups' destructors (megatron.training never dest
 Stragglers: megatron's own detector (``--log-straggler``) times with CUDA events and prints the minimum and
 maximum ranks' throughput when asked; it names no rank that keeps the others waiting on gloo or HCCL. So after
 each ``training_log`` of a log interval the adapter's check (``liveness.StragglerCheck``) gathers each rank's
-time outside collectives and names a rank that stays above the others, as the project's own loop did.
+time outside collectives and names a rank that stays above the others.
 """
 
 from __future__ import annotations

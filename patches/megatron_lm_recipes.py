@@ -15,7 +15,7 @@ experts run the kernel provider's grouped GEMM (``npu_grouped_matmul``, torch's)
 the check is answered for them. It is the only use of the flag in ``validate_args``.
 
 Whether TE is importable is the CUDA provider's answer (``cuda_provider.HAVE_TE``), the one the kernels
-and our own flow's notice use too.
+and the flow's kernel line use too.
 """
 
 from __future__ import annotations
