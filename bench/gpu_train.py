@@ -17,7 +17,7 @@ causal masking. The device's bf16 matmul peak is a timed ``--peak-size``^3 bf16 
 Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA, the process's max RSS on the CPU.
 
 ``--variants`` runs the flow once more per comma-separated set of these besides its default: leads turned off,
-``fused-adam`` (ADAPTER_FUSED_ADAM=0), ``ce-fusion`` (--no-cross-entropy-loss-fusion), ``grad-accum-fusion``
+``fused-adam`` (ADAPTER_FUSED_ADAM=0), ``ce-fusion`` (without --cross-entropy-loss-fusion), ``grad-accum-fusion``
 (--no-gradient-accumulation-fusion), ``sdpa-views`` (ADAPTER_SDPA_CONTIGUOUS=1); each RMSNorm/RoPE/SwiGLU choice,
 ``fused=eager``, ``fused=compile``, ``fused=liger`` (ADAPTER_CUDA_FUSED; the default row is the automatic one);
 ``no-distopt``, without --use-distributed-optimizer (the regime of the 2026-11-26 GPU run); and
@@ -52,7 +52,7 @@ SHAPES = {"qwen2.5-0.5b": (2048, 4), "qwen2.5-1.5b": (4096, 2), "qwen3-1.7b": (4
           "qwen3.5-tiny": (256, 2), "qwen3.5-bench": (4096, 1)}
 # variant -> (environment, flow arguments added, flow arguments left out)
 VARIANTS = {"fused-adam": ({"ADAPTER_FUSED_ADAM": "0"}, [], []),
-            "ce-fusion": ({}, ["--no-cross-entropy-loss-fusion"], []),
+            "ce-fusion": ({}, [], ["--cross-entropy-loss-fusion"]),
             "grad-accum-fusion": ({}, ["--no-gradient-accumulation-fusion"], []),
             "sdpa-views": ({"ADAPTER_SDPA_CONTIGUOUS": "1"}, [], []),
             **{f"fused={choice}": ({"ADAPTER_CUDA_FUSED": choice}, [], []) for choice in ("eager", "compile", "liger")},
@@ -147,7 +147,8 @@ def _flow_argv(name: str, steps: int, warmup: int, extra: list[str], dropped: li
             "--global-batch-size", str(micro), "--train-iters", str(warmup + steps), "--lr", "1e-4",
             "--lr-decay-style", "constant", "--mock-data", "--log-interval", "1",
             "--eval-interval", "1000000", "--eval-iters", "0",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--bf16", "--use-distributed-optimizer", *extra]
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--bf16", "--use-distributed-optimizer",
+            "--cross-entropy-loss-fusion", *extra]
     return [arg for arg in argv if arg not in dropped]
 
 

@@ -73,12 +73,14 @@ def one_connection_off_cuda(validate_args):
 
 def no_gradient_accumulation_fusion_without_apex(validate_args):
     """Gradient-accumulation fusion is on by default, and ColumnParallelLinear raises at model build when
-    apex's fused_weight_gradient_mlp_cuda is missing (every CPU and NPU machine). Turned off, with one line
-    saying so, as --no-gradient-accumulation-fusion would: the gradients are the same, accumulated by torch."""
+    apex's fused_weight_gradient_mlp_cuda is missing (every CPU and NPU machine). Turned off there, with one
+    line saying so, as --no-gradient-accumulation-fusion would: the gradients are the same, accumulated by
+    torch. On CUDA it stays on: patches/grad_accumulation.py's stand-in serves where apex is missing."""
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
-        if args.gradient_accumulation_fusion and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        if (args.gradient_accumulation_fusion and backend.current().name != "cuda"
+                and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None):
             _print_rank_0(args, "gradient accumulation fusion needs apex's fused_weight_gradient_mlp_cuda, "
                                 "which is not installed: running as with --no-gradient-accumulation-fusion")
             args.gradient_accumulation_fusion = False
