@@ -35,14 +35,14 @@ def named(name: str | None) -> bool:
 def pretrain_inputs(args: argparse.Namespace, name: str):
     """(the config container, the ``model_provider``) that ``pretrain`` trains hybrid model ``name`` with on
     megatron.training's parsed ``args``."""
-    model = as_given(args, name)
+    model = _as_given(args, name)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_MODEL_CONFIG)
         container = pretrain_cfg_container_from_args(args)
     return container, model_provider(model)
 
 
-def as_given(args: argparse.Namespace, name: str) -> ModelConfig:
+def _as_given(args: argparse.Namespace, name: str) -> ModelConfig:
     """``name``'s config with the architecture flags the command line gave over it (argparse kept the last
     value), which the builder reads: one line where they do not fit together, or the parallel layout splits
     what the model cannot (a Gated DeltaNet head over tensor x context parallel ranks). megatron's layer count

@@ -139,4 +139,4 @@ def test_the_flows_flags_of_a_hybrid_model_give_megatron_its_transformer_config(
     assert not differing, f"{name}: megatron's / ours: {differing}"
     assert theirs.is_hybrid_model and args.num_layers == 2 * model.num_layers
     assert hybrid.pretrain_inputs(args, name)[0].model is None  # pretrain takes flow.hybrid's model_provider
-    assert hybrid.as_given(args, name) == model
+    assert hybrid._as_given(args, name) == model
