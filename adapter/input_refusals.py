@@ -124,9 +124,8 @@ def _failed_check(filename: str, lineno: int) -> tuple[ast.expr | None, ast.expr
 
 
 @functools.cache
-@functools.cache
 def _flags() -> dict[str, argparse.Action]:
-    """Megatron-LM's option for each argument name (``hidden_size``: ``--hidden-size``); its parser built once."""
+    """Megatron-LM's option for each argument name (``hidden_size``: ``--hidden-size``)."""
     from megatron.training.arguments import add_megatron_arguments
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
