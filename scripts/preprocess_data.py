@@ -26,7 +26,6 @@ import adapter  # noqa: E402,F401 - before megatron: its warning filters (adapte
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from megatron.core.tokenizers.utils import build_tokenizer as megatron_tokenizers  # noqa: E402
 
 _TOKENIZER = None  # each worker process's own
 # the tokenizers this script takes (megatron's other types need vocabulary files or a hub), by the file they read
@@ -74,6 +73,12 @@ def build_tokenizer(args: argparse.Namespace):
     if kind is None and not (isinstance(size, int) and size > 1):
         raise ValueError(f"--vocab-size {size!r}: NullTokenizer needs --vocab-size of at least 2 (the last id is "
                          "the end-of-document token)")
+    try:  # megatron-core 0.17+; 0.16.1 trains with a Megatron-LM checkout's tokenizer, not this one
+        from megatron.core.tokenizers.utils import build_tokenizer as megatron_tokenizers
+    except ImportError:
+        raise ValueError("this megatron-core has no megatron.core.tokenizers.utils (0.16.1): scripts/"
+                         "preprocess_data.py writes the ids of megatron-core 0.17+'s tokenizers; use Megatron-LM's "
+                         "tools/preprocess_data.py from the core_v0.16.1 checkout") from None
     try:
         return megatron_tokenizers.build_tokenizer(argparse.Namespace(**{**MEGATRON_DEFAULTS, **vars(args)}))
     except (RuntimeError, OSError, ValueError) as exc:
