@@ -46,6 +46,9 @@ _SWITCHES = ("add_qkv_bias", "qk_layernorm", "attention_output_gate", "zero_cent
 _RENAMED = {"position_embedding": "--position-embedding-type", "zero_centered_norm": "--apply-layernorm-1p"}
 # MLATransformerConfig's YaRN fields that no Megatron-LM flag sets, at the value Megatron-LM builds them with
 _UNFLAGGED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+# the first release with --yarn-original-max-position-embeddings / --yarn-beta-fast / --yarn-beta-slow, which the
+# adapter sets on an MLA model's config (patches/latent_attention.py)
+_MLA_YARN_SINCE = "0.19"
 # the first release whose NullTokenizer counts --vocab-size entries, its end-of-document id the last of them
 # (megatron-core 0.16 / 0.17 add one entry for it)
 _NULL_VOCAB_SINCE = "0.18"
@@ -74,6 +77,9 @@ def described(config: ModelConfig) -> list[str]:
                   "--moe-layer-freq", _layer_freq(config.moe_layer_freq)]
     if config.multi_latent_attention:
         words += _valued(config, _MLA_VALUED)
+    if config.multi_latent_attention and Version(installed_megatron_core_version()) >= Version(_MLA_YARN_SINCE):
+        words += [word for field, default in _UNFLAGGED.items() if getattr(config, field) != default
+                  for word in (f"--yarn-{field.replace('_', '-')}", _text(getattr(config, field)))]
     if config.mtp_num_layers is not None:
         words += ["--mtp-num-layers", str(config.mtp_num_layers)]
     return words + [_flag(field) for field in _SWITCHES if getattr(config, field)]
@@ -132,12 +138,13 @@ def _refuse_unflagged(config: ModelConfig) -> None:
     if config.layer_types is not None:
         raise ModelConfigError("a hybrid model (Gated DeltaNet layers, layer_types): Megatron-LM's pretrain_gpt.py "
                                "builds GPT stacks only; train it with scripts/pretrain_gpt.py --model NAME")
-    if config.multi_latent_attention:
+    if config.multi_latent_attention and Version(installed_megatron_core_version()) < Version(_MLA_YARN_SINCE):
         for field, value in _UNFLAGGED.items():
             if getattr(config, field) != value:
                 raise ModelConfigError(
-                    f"{field}={getattr(config, field)!r}: Megatron-LM has no flag for it and builds "
-                    f"MLATransformerConfig with {value!r}; train it with scripts/pretrain_gpt.py --model NAME")
+                    f"{field}={getattr(config, field)!r}: Megatron-LM has no flag for it before megatron-core "
+                    f"{_MLA_YARN_SINCE} and builds MLATransformerConfig with {value!r}; install megatron-core "
+                    f"{_MLA_YARN_SINCE} or later (Python 3.12), whose --yarn-* flags set it")
 
 
 def main(argv: list[str] | None = None) -> int:
