@@ -56,12 +56,14 @@ def pretrain_gpt(datasets_provider, forward_step, model_inputs=None) -> None:
 
 def batch_on_this_tp_rank(data_iterator, args, read) -> dict:
     """The next micro-batch on every tensor-parallel rank: rank 0 reads it (``read(data_iterator)``, on this
-    device), megatron broadcasts it to the others."""
+    device), megatron broadcasts it to the others. The last pipeline stage of a model with MTP layers (megatron
+    places them there) gets the tokens and positions too, which its MTP layers embed."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    mtp_here = bool(getattr(args, "mtp_num_layers", None)) and parallel_state.is_pipeline_last_stage()
     if RELEASE < (0, 18):
         from megatron.training.utils import get_batch_on_this_tp_rank
 
-        return get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank=False)
+        return get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank=mtp_here)
     packed = {"has_cu_seqlens" if RELEASE >= (0, 19) else "is_sft": False}
     return core_utils.get_batch_on_this_tp_rank(
         read(data_iterator) if tp_rank == 0 else {}, **packed, is_hybrid_cp=False,
@@ -69,7 +71,7 @@ def batch_on_this_tp_rank(data_iterator, args, read) -> dict:
         broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
         broadcast_group=parallel_state.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
         tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        mtp_on_this_rank=mtp_here, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=parallel_state.is_pipeline_first_stage(),
         is_pipeline_last_stage=parallel_state.is_pipeline_last_stage())
 
