@@ -223,6 +223,19 @@ def npu_kernels(torch_npu_double):
     _forget_npu_kernel_modules()
 
 
+@pytest.fixture(autouse=True)
+def _cuda_connections_restored():
+    """megatron.training's validate_args, run in a test's own process, sets CUDA_DEVICE_MAX_CONNECTIONS=1 off CUDA
+    (patches/megatron_lm.py): put back after each test, or the ranks a later test of this worker starts inherit
+    it (Megatron-FSDP refuses it)."""
+    before = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    yield
+    if before is None:
+        os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    else:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = before
+
+
 def _forget_npu_kernel_modules() -> None:
     """Drop the modules that import torch_npu (and the package's names for them: ``from adapter.kernels
     import x`` would hand back a module bound to an earlier double)."""

@@ -105,7 +105,8 @@ def test_workers_that_refuse_their_arguments_end_the_job_with_the_line_and_one_o
 
 
 @pytest.mark.parametrize("worker", [
-    "import os, sys; sys.exit(2 if os.environ['RANK'] == '0' else 1)",  # one refuses, one fails: not a refusal
+    # one fails, then one refuses: not a refusal (rank 0 waits, or torchrun may stop rank 1 before it fails)
+    "import os, sys, time; r = os.environ['RANK']; r == '0' and time.sleep(10); sys.exit(2 if r == '0' else 1)",
     "raise RuntimeError('boom')",
 ])
 def test_a_worker_that_crashes_keeps_torchruns_full_report(worker):

@@ -131,7 +131,8 @@ def test_the_time_budget_saves_and_leaves_and_the_next_launch_resumes_exactly(tm
     """megatron.training's --exit-duration-in-mins, from the launched processes' start: once an iteration ends
     past it, every rank saves that iteration and the job exits 0. How many iterations fit depends on the
     machine; the resumed iterations are compared, as each step reduced its loss, with a run never stopped."""
-    ranks = launch_script("scripts/pretrain_gpt.py", _budgeted(tmp_path))
+    # a minute of training after start-up, which takes minutes on a loaded 2-core CI host (300 s ran out there)
+    ranks = launch_script("scripts/pretrain_gpt.py", _budgeted(tmp_path), timeout=900)
     output = "".join(output for _, output in ranks)
     assert [status for status, _ in ranks] == [0, 0], output[-4000:]
     spent = re.findall(r"exiting program after ([0-9.]+) minutes", output)
@@ -149,7 +150,7 @@ def test_the_time_budget_saves_and_leaves_and_the_next_launch_resumes_exactly(tm
                    "(patches/early_exit.py says it for --exit-signal-handler only), and megatron leaves after an "
                    "iteration past the budget, not before one would end past it as the own loop did")
 def test_the_time_budget_says_in_one_line_why_it_stopped_before_the_budget_ran_out(tmp_path):
-    ranks = launch_script("scripts/pretrain_gpt.py", _budgeted(tmp_path), world_size=1)
+    ranks = launch_script("scripts/pretrain_gpt.py", _budgeted(tmp_path), world_size=1, timeout=900)
     output = ranks[0][1]
     assert ranks[0][0] == 0, output[-4000:]
     [line] = [line for line in output.splitlines() if "[adapter] stopped after iteration" in line]
