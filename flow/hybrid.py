@@ -14,7 +14,6 @@ import argparse
 import warnings
 
 from megatron.training import get_args
-from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import core_transformer_config_from_args
 
 import models
@@ -35,6 +34,8 @@ def named(name: str | None) -> bool:
 def pretrain_inputs(args: argparse.Namespace, name: str):
     """(the config container, the ``model_provider``) that ``pretrain`` trains hybrid model ``name`` with on
     megatron.training's parsed ``args``."""
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args  # 0.18+, as the config container
+
     model = _as_given(args, name)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_MODEL_CONFIG)
