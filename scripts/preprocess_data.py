@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing
 import os
 import sys
@@ -31,13 +32,6 @@ _TOKENIZER = None  # each worker process's own
 # the tokenizers this script takes (megatron's other types need vocabulary files or a hub), by the file they read
 TOKENIZER_FILES = {"SentencePieceTokenizer": "file", "GPTSentencePieceTokenizer": "file", "Llama2Tokenizer": "file",
                    "HuggingFaceTokenizer": "directory", "NullTokenizer": None}
-# what Megatron-LM's parser gives megatron's build_tokenizer for the flags this script does not take
-# (megatron.training's TokenizerConfig defaults), so it builds the tokenizer training builds
-MEGATRON_DEFAULTS = {"vocab_file": None, "merge_file": None, "special_tokens": None, "chat_template": None,
-                     "metadata_path": None, "tokenizer_sentencepiece_legacy": False,
-                     "tokenizer_sentencepiece_ignore_extra_whitespaces": True, "tokenizer_hf_no_use_fast": False,
-                     "tokenizer_hf_no_include_special_tokens": False, "trust_remote_code": False,
-                     "pad_vocab_size": False}
 
 
 class InputError(ValueError):
@@ -52,6 +46,16 @@ def output_prefix(prefix: str, key: str) -> str:
 def _tokenizer_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                               vocab_size=args.vocab_size)
+
+
+def _megatron_defaults() -> dict:
+    """Every argument of the installed release's Megatron-LM parser at its default: what megatron's
+    ``build_tokenizer`` reads beside the flags this script takes (their names differ between releases), so it
+    builds the tokenizer training builds."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    return {action.dest: action.default for action in parser._actions if action.dest != "help"}
 
 
 def build_tokenizer(args: argparse.Namespace):
@@ -80,7 +84,16 @@ def build_tokenizer(args: argparse.Namespace):
                          "preprocess_data.py writes the ids of megatron-core 0.17+'s tokenizers; use Megatron-LM's "
                          "tools/preprocess_data.py from the core_v0.16.1 checkout") from None
     try:
-        return megatron_tokenizers.build_tokenizer(argparse.Namespace(**{**MEGATRON_DEFAULTS, **vars(args)}))
+        # ids only: 0.19 pads the embedding's rows only when asked; 0.17 works them out always (as rank 0) and
+        # logs them, which is training's notice, not this script's (its stdout is read: prepare_sample_data.py)
+        given = {**_megatron_defaults(), "pad_vocab_size": False, "rank": 0, **vars(args)}
+        notices = logging.getLogger("megatron.core.tokenizers")
+        level = notices.level
+        notices.setLevel(logging.WARNING)
+        try:
+            return megatron_tokenizers.build_tokenizer(argparse.Namespace(**given))
+        finally:
+            notices.setLevel(level)
     except (RuntimeError, OSError, ValueError) as exc:
         raise ValueError(f"--tokenizer-model {path!r} could not be loaded as a {args.tokenizer_type} "
                          f"({exc}); pass a valid model for that type") from exc
