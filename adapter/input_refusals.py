@@ -132,10 +132,14 @@ def _flags() -> dict[str, argparse.Action]:
     return {action.dest: action for action in reversed(parser._actions) if action.option_strings}
 
 
+def flag_defaults() -> dict:
+    """Every argument of the installed release's Megatron-LM parser at its default."""
+    return {name: action.default for name, action in _flags().items()}
+
+
 def flag_default(name: str):
     """The default of Megatron-LM's flag for argument ``name`` (None for a value no flag sets)."""
-    action = _flags().get(name)
-    return None if action is None else action.default
+    return flag_defaults().get(name)
 
 
 def as_given(name: str, args) -> str:
@@ -169,7 +173,8 @@ def check_schedule(args) -> None:
 # on later with a traceback on every rank: in a division inside validate_args itself (the parallel sizes, the
 # heads), in TransformerConfig (the layers), or in a tensor's shape as the model is built (the rest)
 _POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-             "num_attention_heads", "num_layers", "hidden_size", "kv_channels", "seq_length")
+             "expert_model_parallel_size", "expert_tensor_parallel_size", "num_attention_heads", "num_layers",
+             "hidden_size", "kv_channels", "seq_length")
 
 
 def check_sizes(args) -> None:

@@ -16,11 +16,8 @@ _MOE_ONLY = ("moe_router_topk", "moe_aux_loss_coeff", "moe_grouped_gemm", "moe_s
 
 
 def check_before(args) -> None:
-    """What megatron's ``validate_args`` divides by or compares before any check of its own."""
-    for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
-        value = getattr(args, name, None)
-        if value is not None and value <= 0:
-            raise InputRefused(f"{as_given(name, args)}: must be positive")
+    """What megatron's ``validate_args`` compares before any check of its own (the expert parallel sizes are
+    ``input_refusals.check_sizes``')."""
     if getattr(args, "num_experts", None) is not None and args.num_experts < 0:
         raise InputRefused(f"{as_given('num_experts', args)}: must be zero or more (0 or unset: a dense model)")
 

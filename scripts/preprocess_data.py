@@ -27,6 +27,8 @@ import adapter  # noqa: E402,F401 - before megatron: its warning filters (adapte
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from adapter.input_refusals import flag_defaults  # noqa: E402 - megatron's parser defaults, as training reads them
+
 
 _TOKENIZER = None  # each worker process's own
 # the tokenizers this script takes (megatron's other types need vocabulary files or a hub), by the file they read
@@ -46,16 +48,6 @@ def output_prefix(prefix: str, key: str) -> str:
 def _tokenizer_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                               vocab_size=args.vocab_size)
-
-
-def _megatron_defaults() -> dict:
-    """Every argument of the installed release's Megatron-LM parser at its default: what megatron's
-    ``build_tokenizer`` reads beside the flags this script takes (their names differ between releases), so it
-    builds the tokenizer training builds."""
-    from megatron.training.arguments import add_megatron_arguments
-
-    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    return {action.dest: action.default for action in parser._actions if action.dest != "help"}
 
 
 def build_tokenizer(args: argparse.Namespace):
@@ -86,7 +78,7 @@ def build_tokenizer(args: argparse.Namespace):
     try:
         # ids only: 0.19 pads the embedding's rows only when asked; 0.17 works them out always (as rank 0) and
         # logs them, which is training's notice, not this script's (its stdout is read: prepare_sample_data.py)
-        given = {**_megatron_defaults(), "pad_vocab_size": False, "rank": 0, **vars(args)}
+        given = {**flag_defaults(), "pad_vocab_size": False, "rank": 0, **vars(args)}
         notices = logging.getLogger("megatron.core.tokenizers")
         level = notices.level
         notices.setLevel(logging.WARNING)
