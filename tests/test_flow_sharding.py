@@ -43,10 +43,10 @@ def reference() -> dict:
     return {"losses": logged_losses(ranks), "held": ranks[0]}
 
 
-def _train_save_and_resume(kind: str, tmp_path, tp: int = 1, env: dict | None = None):
+def _train_save_and_resume(kind: str, tmp_path, tp: int = 1, env: dict | None = None, init: tuple[str, ...] = ()):
     """10 iterations of ``kind`` at TP ``tp`` x DP2 saving at SAVED_AT, then a run resumed from that checkpoint:
     (the whole run's ranks, its losses, the resumed run's losses, the checkpoint)."""
-    flags = [*BASE, *SHARDED[kind], "--tensor-model-parallel-size", str(tp)]
+    flags = [*BASE, *SHARDED[kind], "--tensor-model-parallel-size", str(tp), *init]
     whole = run_ranks(2 * tp, run_pretrain_measured, [*flags, "--save", str(tmp_path / "saved"),
                                                       "--save-interval", str(SAVED_AT)], env=env)
     at = stopped_at(tmp_path / "saved", SAVED_AT, tmp_path / "at")
@@ -76,28 +76,28 @@ def test_the_flow_trains_the_distributed_optimizer_curve_sharded_and_resumes_exa
         assert abs(rank["optimizer_bytes"] - ddp["optimizer_bytes"]) <= 4096
 
 
-TP2_OFF_TP1 = ("one flow: TP2 starts off the TP1 curve (0.02 at iteration 1; tests/test_pretrain.py's qwen3 TP2 "
-               "xfail), so the DP2 reference is not met; the earlier loop met it within 1e-5")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, tp, env", [
-    pytest.param("megatron-fsdp", 2, None, marks=pytest.mark.xfail(strict=True, reason=TP2_OFF_TP1)),
-    ("torch-fsdp2", 1, NPU_DOUBLE)], ids=["megatron-fsdp-tp2-dp2", "torch-fsdp2-dp2-npu-double"])
+@pytest.mark.parametrize("kind, tp, env", [("megatron-fsdp", 2, None), ("torch-fsdp2", 1, NPU_DOUBLE)],
+                         ids=["megatron-fsdp-tp2-dp2", "torch-fsdp2-dp2-npu-double"])
 def test_the_flow_shards_with_tensor_parallelism_and_the_npu_kernels(kind, tp, env, reference, tmp_path):
     """TP2 x DP2 (Megatron-FSDP's DTensors over a TP x DP mesh) and the npu kernel provider (FSDP2): the DP2
     reference curve within 1e-5 (TP and the provider's kernels change the order of sums, not the model, data
     or seed), and the exact resume. Megatron-FSDP's checkpoint of TP2 x DP2 resumes at DP2 (TP1) on the curve:
     its SwiGLU ``linear_fc1`` saved as Megatron-LM saves it, gate and up halves apart (the fused rows of a TP
-    rank are its gate rows, then its up rows, so the fused tensor is not one tensor across TP ranks)."""
-    whole, losses, resumed, at = _train_save_and_resume(kind, tmp_path, tp, env)
+    rank are its gate rows, then its up rows, so the fused tensor is not one tensor across TP ranks). At TP2 the
+    whole weights are drawn on the host and split (Megatron-LM's --use-cpu-initialization, its reference too):
+    without it each TP rank draws its shard from a generator of its own."""
+    init = ("--use-cpu-initialization",) if tp > 1 else ()
+    if init:
+        reference = {"losses": logged_losses(run_ranks(2, run_pretrain, [*BASE, *DDP, *init]))}
+    whole, losses, resumed, at = _train_save_and_resume(kind, tmp_path, tp, env, init)
     _assert_reference_curve_and_exact_resume(losses, resumed, reference["losses"])
     assert {(rank["wrapper"], rank["kernels"]) for rank in whole} == {
         (WRAPPERS[kind], "npu_provider" if env else "torch_provider")}
     if kind == "megatron-fsdp":
         saved = tmp_path / "saved" / f"iter_{SAVED_AT:07d}"
         assert _fc1_keys(saved, "model.module.decoder.layers.0.mlp.") == ["linear_fc1.weight_v", "linear_fc1.weight_w"]
-        at_dp2 = logged_losses(run_ranks(2, run_pretrain, [*BASE, *SHARDED[kind], "--load", str(at)]))
+        at_dp2 = logged_losses(run_ranks(2, run_pretrain, [*BASE, *SHARDED[kind], *init, "--load", str(at)]))
         assert sorted(at_dp2) == list(range(SAVED_AT + 1, 11))
         assert max(abs(at_dp2[i] - losses[i]) for i in at_dp2) <= 1e-5, (at_dp2, losses)
 
