@@ -195,6 +195,16 @@ def check_moe_routing(args) -> None:
                            "experts, or leave the routing flags out for a dense model")
 
 
+def check_offload_fraction(args) -> None:
+    """megatron-core's HybridDeviceOptimizer places parameters' states on the host until their share of the
+    whole reaches --optimizer-offload-fraction: neither it nor ``validate_args`` checks the share, so 1.5 trains
+    as 1 and -0.5 as 0, each without a word."""
+    fraction = getattr(args, "optimizer_offload_fraction", None)
+    if getattr(args, "optimizer_cpu_offload", False) and fraction is not None and not 0 <= fraction <= 1:
+        raise InputRefused(f"--optimizer-offload-fraction {fraction}: the share of the optimizer's state kept on "
+                           "the host, from 0 to 1 (1: all of it)")
+
+
 def check_manual_gc(args) -> None:
     """megatron.training asserts a non-negative --manual-gc-interval as training starts, after the model is
     built, outside ``validate_args``: a bare traceback on every rank."""

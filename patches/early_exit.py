@@ -1,5 +1,5 @@
-"""megatron.training's ``--exit-signal-handler`` stop says, in one line from rank 0, after which iteration
-every rank stopped and where it is saved (adapter/early_exit.py).
+"""megatron.training's ``--exit-signal-handler`` and ``--exit-duration-in-mins`` stops say, in one line from
+rank 0, after which iteration every rank stopped, why, and where it is saved (adapter/early_exit.py).
 
 megatron.training already stops well on the signal (SIGTERM by default): its ``DistributedSignalHandler``
 only notes it, every rank learns at the end of the same iteration (an all-gather in
@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import signal
+import time
 
 import torch
 
@@ -23,29 +24,44 @@ from adapter import early_exit
 
 
 def said_when_stopped(checkpoint_and_decide_exit):
-    """``checkpoint_and_decide_exit``; where it stops the run on the exit signal, the line (rank 0). Which
-    stop it was is asked of megatron's handler again: its all-gather, on every rank, since every rank has
-    the same answer to whether the run stops."""
+    """``checkpoint_and_decide_exit``; where it stops the run on the exit signal or the time budget, the line
+    (rank 0)."""
     signature = inspect.signature(checkpoint_and_decide_exit)
 
     @functools.wraps(checkpoint_and_decide_exit)
     def decide(*args, **kwargs):
-        from megatron.training.global_vars import get_args, get_signal_handler
-
         stop = checkpoint_and_decide_exit(*args, **kwargs)
-        megatron_args = get_args()
-        if not (stop and megatron_args.exit_signal_handler):
-            return stop
-        handler = get_signal_handler()
-        if any(handler.signals_received()) and torch.distributed.get_rank() == 0:
+        if stop:
+            from megatron.training.global_vars import get_args
+
             iteration = signature.bind(*args, **kwargs).arguments["iteration"]
-            reason = f"{signal.Signals(handler.sig).name} received"
-            print(early_exit.stopped_line(iteration, reason, megatron_args.save), flush=True)
+            reason = _why_stopped(get_args(), iteration)
+            if reason and torch.distributed.get_rank() == 0:
+                print(early_exit.stopped_line(iteration, reason, get_args().save), flush=True)
         return stop
 
     return decide
 
 
+def _why_stopped(megatron_args, iteration: int) -> str | None:
+    """The exit signal (asked of megatron's handler again: its all-gather, on every rank, since every rank has
+    the same answer to whether the run stops), else the time budget where megatron's own check stopped it
+    (``--exit-interval`` reached is a planned end, said by megatron), else None."""
+    from megatron.training import training
+    from megatron.training.global_vars import get_signal_handler
+
+    if megatron_args.exit_signal_handler:
+        handler = get_signal_handler()
+        if any(handler.signals_received()):
+            return f"{signal.Signals(handler.sig).name} received"
+    interval = megatron_args.exit_interval
+    if megatron_args.exit_duration_in_mins and not (interval and iteration % interval == 0):
+        minutes = (time.time() - training._TRAIN_START_TIME) / 60
+        budget = megatron_args.exit_duration_in_mins
+        return f"{minutes:.1f} minutes after the launch, past --exit-duration-in-mins {budget}"
+    return None
+
+
 def register(registry, versions: str) -> None:
     registry.wrap("megatron.training.training:checkpoint_and_decide_exit", said_when_stopped, versions=versions,
-                  reason="a stop on --exit-signal-handler's signal says the iteration and where it is saved")
+                  reason="a stop on the exit signal or the time budget says the iteration, why, and where it is saved")

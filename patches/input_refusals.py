@@ -23,7 +23,7 @@ def one_line_refusals(validate_args):
     """Outermost around ``validate_args`` (registered last): every rank fails the same check the same way,
     before any process group exists, so its exception becomes the refusal; an exception from elsewhere
     than megatron's checks keeps its traceback. Before it the sizes it divides by; after it the checks
-    megatron lacks (schedule, tokenizer, MoE settings: adapter/moe_refusals.py, manual GC)."""
+    megatron lacks (schedule, tokenizer, MoE settings: adapter/moe_refusals.py, the offload share, manual GC)."""
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
@@ -35,6 +35,7 @@ def one_line_refusals(validate_args):
         input_refusals.check_tokenizer(args)
         input_refusals.check_moe_routing(args)
         moe_refusals.check(args)
+        input_refusals.check_offload_fraction(args)
         input_refusals.check_manual_gc(args)
         return validated
 

@@ -13,9 +13,7 @@ import gc
 
 import pytest
 import torch
-from packaging.version import Version
 
-from adapter.registry import installed_megatron_core_version
 from tests.distributed import run_ranks
 from tests.flow_ranks import logged_losses, run_pretrain, stopped_at
 
@@ -186,10 +184,11 @@ def pretrain_counting_async_saves(argv: list[str]) -> dict:
         AsyncCallsQueue.schedule_async_request = schedule
 
 
-@pytest.mark.xfail(Version(installed_megatron_core_version()) >= Version("0.19"), strict=True,
-                   reason="megatron-core 0.19's validate_args turns --async-save off without "
-                          "--use-persistent-ckpt-worker (a warning): the save is synchronous; the persistent worker's "
-                          "path (nvidia-resiliency-ext or megatron's own queue) is not yet tested in the one flow")
+@pytest.mark.xfail(strict=True, reason="megatron.training's validate_args (0.17.1 to 0.19.2) turns --async-save off "
+                   "without --use-persistent-ckpt-worker (a warning): the save is synchronous. With the worker and "
+                   "--async-strategy mcore (nvidia-resiliency-ext's nvrx, the default, is not installed) the run had "
+                   "not ended after the test's 600 s on cpu gloo ranks (2026-12-06, not yet "
+                   "diagnosed)")
 def test_async_save_writes_the_sync_saves_checkpoint_and_resumes_bit_exactly(tmp_path):
     """--async-save (Megatron-LM's meaning): the save is written in the background while training goes on (the
     curve is the one a synchronous save leaves), published once written (both iterations' checkpoints, the
