@@ -76,6 +76,21 @@ def tokenizer_refusal(exc: BaseException, args) -> InputRefused | None:
     return InputRefused(f"{given}: {refused}")
 
 
+def checkpoint_refusal(exc: BaseException, args) -> InputRefused | None:
+    """``refusal`` for a check of megatron.training's ``load_checkpoint`` itself (its frame: an error from the
+    readers below keeps its traceback), with the ways out where megatron names none: an optimizer state
+    sharded for one (TP, PP) read at another."""
+    tb = _raising_frame(exc)
+    if tb is None or tb.tb_frame.f_globals.get("__name__") != "megatron.training.checkpointing":
+        return None
+    refused = refusal(exc, args, checker="megatron.training's load_checkpoint")
+    if refused is not None and "(TP, PP) mismatch" in str(refused):
+        refused = InputRefused(f"{refused} To resume here: --no-load-optim (the weights, a fresh optimizer), or "
+                               "resume at the checkpoint's (TP, PP); Megatron-LM saves an optimizer state any "
+                               "layout reads with --dist-ckpt-optim-fully-reshardable")
+    return refused
+
+
 def refused_call(call, to_refusal, args):
     """``call()``; where it fails one of megatron's checks (``CHECK_FAILURES``) that ``to_refusal(exc, args)``
     turns into an ``InputRefused``, that refusal instead; anything else keeps its traceback."""

@@ -116,6 +116,21 @@ def corpora_checked(build_iterators):
     return build
 
 
+def checkpoint_refused(load_checkpoint):
+    """megatron.training's ``load_checkpoint`` checks what it reads against the run on every rank, after the
+    model is built: a check that fails (an optimizer state sharded for another (TP, PP)) is one line, not a
+    ``RuntimeError`` traceback per rank."""
+
+    @functools.wraps(load_checkpoint)
+    def load(*args, **kwargs):
+        from megatron.training.global_vars import get_args
+
+        return input_refusals.refused_call(lambda: load_checkpoint(*args, **kwargs),
+                                           input_refusals.checkpoint_refusal, get_args())
+
+    return load
+
+
 def schedule_refused(get_scheduler):
     """megatron.training builds the LR scheduler from the arguments after the model, outside validate_args:
     a schedule megatron-core's scheduler refuses (a warm-up as long as the decay) is one line, not a bare
@@ -152,3 +167,5 @@ def register(registry, versions: str) -> None:
                   reason="a missing or out-of-vocabulary --data-path fails mid-build on some ranks: one line, exit 2")
     registry.wrap(f"{_T}training:get_optimizer_param_scheduler", schedule_refused, versions=versions,
                   reason="a warm-up as long as the decay fails a bare assert in the LR scheduler: one line, exit 2")
+    registry.wrap(f"{_T}checkpointing:load_checkpoint", checkpoint_refused, versions=versions,
+                  reason="a check of what load_checkpoint read fails with a traceback on every rank: one line, exit 2")
