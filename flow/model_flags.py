@@ -4,10 +4,13 @@ Expanded in argv rather than added to megatron's parser (``extra_args_provider``
 exactly what Megatron-LM's ``pretrain_gpt.py`` takes, so both entry points parse the same words with the same
 parser (issue 50 point 7); every release's ``pretrain`` parses ``sys.argv`` itself (0.17) or lets the script
 do it (0.18+), and argv is the one input both read. The model's flags go first, so every flag the user gives,
-before or after ``--model``, overrides them (argparse keeps the last value).
+before or after ``--model``, overrides them (argparse keeps the last value); ``--num-experts 0`` makes the
+named model dense, its expert flags left out.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import models
 from adapter.input_refusals import InputRefused
@@ -42,9 +45,25 @@ def expand(argv: list[str], describe=flow_flags) -> list[str]:
     if named is None:
         return rest
     try:
-        return [*describe(models.get(named)), *rest]
+        config = models.get(named)
+        return [*describe(_dense(config) if _dense_asked(rest) else config), *rest]
     except ModelConfigError as exc:  # an unknown name, a model Megatron-LM's flags cannot describe
         raise InputRefused(f"--model {named}: {exc}") from None
+
+
+def _dense_asked(words: list[str]) -> bool:
+    """Whether the user's flags say ``--num-experts 0`` (Megatron-LM's dense model) over a named one."""
+    return any(word == "--num-experts=0" or (word == "--num-experts" and following == "0")
+               for word, following in zip(words, [*words[1:], None]))
+
+
+def _dense(config: ModelConfig) -> ModelConfig:
+    """``config`` without its mixture of experts: every expert setting at ModelConfig's default, so the named
+    model's expert flags do not outlive its experts (megatron's TransformerConfig refuses an expert FFN size
+    without experts)."""
+    moe = {field.name: field.default for field in dataclasses.fields(ModelConfig)
+           if field.name == "num_experts" or field.name.startswith("moe_")}
+    return config.replace(**moe)
 
 
 def _split(argv: list[str]) -> tuple[str | None, list[str]]:

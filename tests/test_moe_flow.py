@@ -132,8 +132,6 @@ def test_moe_arguments_over_a_named_model(parse):
     assert _fields(config) == _fields(want)
 
 
-@pytest.mark.xfail(strict=True, reason="megatron's TransformerConfig refuses --num-experts 0 over the named model's "
-                                       "--moe-ffn-hidden-size (moe_ffn_hidden_size is set but num_moe_experts is None)")
 def test_num_experts_0_makes_a_named_moe_model_dense(parse):
     """Megatron-LM's --num-experts 0: a dense model, the named model's expert settings dropped."""
     _, dense = parse([*MOE, "--num-experts", "0"], 2)
