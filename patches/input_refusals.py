@@ -13,7 +13,7 @@ import functools
 
 from packaging.version import Version
 
-from adapter import input_refusals, moe_refusals
+from adapter import input_refusals, moe_layer_pattern, moe_refusals
 from adapter.registry import installed_megatron_core_version
 
 _T = "megatron.training."
@@ -169,3 +169,5 @@ def register(registry, versions: str) -> None:
                   reason="a warm-up as long as the decay fails a bare assert in the LR scheduler: one line, exit 2")
     registry.wrap(f"{_T}checkpointing:load_checkpoint", checkpoint_refused, versions=versions,
                   reason="a check of what load_checkpoint read fails with a traceback on every rank: one line, exit 2")
+    registry.replace(f"{_T}arguments:_eval_pattern", moe_layer_pattern.read, versions=versions, optional=True,
+                     reason="--moe-layer-freq's pattern is eval'd: [1]*10**9 builds a billion entries; read, bounded")

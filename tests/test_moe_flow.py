@@ -148,26 +148,20 @@ def _layer_freq(monkeypatch, text: str):
 
 @pytest.mark.parametrize("text, pattern", [
     ("2", 2), ("([0]+[1]*3)*2", [0, 1, 1, 1, 0, 1, 1, 1]), ("[1,0]*2", [1, 0, 1, 0]), ("2*[1]+[0]", [1, 1, 0]),
-    pytest.param(" [1, 1] ", [1, 1], marks=pytest.mark.xfail(
-        strict=True, reason="megatron's moe_freq_type takes no spaces: argparse's usage error")),
+    (" [1, 1] ", [1, 1]),  # megatron's own check refuses the spaces; adapter/moe_layer_pattern.py reads them
 ])
 def test_moe_layer_freq_reads_megatron_lm_patterns(monkeypatch, text, pattern):
     assert _layer_freq(monkeypatch, text) == pattern
 
 
-# megatron's moe_freq_type evals any text of digits, brackets, commas, + and *
-EVALUATED = "megatron's moe_freq_type evals any text of digits, brackets, commas, + and *, whatever list it makes"
-HUGE = EVALUATED + ": not run, it would build the list"
-
-
 @pytest.mark.parametrize("text", [
-    "[__import__('os').system('true')]", pytest.param("[1]*10**9", marks=pytest.mark.xfail(run=False, reason=HUGE)),
-    pytest.param("[1]*1000000", marks=pytest.mark.xfail(strict=True, reason=EVALUATED)),
-    pytest.param("[[1]]", marks=pytest.mark.xfail(strict=True, reason=EVALUATED)), "[1]+1", "[1]*[2]",
-    "[x for x in (1,)]", "[1.5]", "one",
-    pytest.param("[1]*2*3*4*5*6*7*8*9*10*11", marks=pytest.mark.xfail(run=False, reason=HUGE)),
+    "[__import__('os').system('true')]", "[1]*10**9", "[1]*1000000", "[[1]]", "[1]+1", "[1]*[2]",
+    "[x for x in (1,)]", "[1.5]", "one", "[1]*2*3*4*5*6*7*8*9*10*11", "[1]*-3",
 ])
 def test_moe_layer_freq_evaluates_nothing_but_lists_of_ints(monkeypatch, text):
+    """megatron's ``_eval_pattern`` evals any text of digits, brackets, commas, + and *: a power or a long
+    repeat built its list before any check (``[1]*10**9``: a billion entries), and a list of lists passed.
+    Read by adapter/moe_layer_pattern.py, each is argparse's usage error for the flag, at once."""
     with pytest.raises(RefusedSetting) as refused:
         _layer_freq(monkeypatch, text)
     assert str(refused.value).startswith("argument --moe-layer-freq: invalid moe_freq_type value")
