@@ -21,6 +21,7 @@ import functools
 import io
 import linecache
 import os
+import re
 import sys
 
 import torch
@@ -76,10 +77,24 @@ def tokenizer_refusal(exc: BaseException, args) -> InputRefused | None:
     return InputRefused(f"{given}: {refused}")
 
 
+# megatron-core's dist_checkpointing, a saved tensor the run cannot read (strategies/torch.py, every rank)
+# (raised inside torch.distributed.checkpoint's planning, which wraps it in a CheckpointException with its text)
+_SHAPE = re.compile(r"Global shape mismatch for loaded \((.*?)\) and expected \((.*?)\) tensor for key (.+)")
+_MISSING = re.compile(r"KeyError: '?(\S+) from model not in state dict")
+
+
 def checkpoint_refusal(exc: BaseException, args) -> InputRefused | None:
     """``refusal`` for a check of megatron.training's ``load_checkpoint`` itself (its frame: an error from the
     readers below keeps its traceback), with the ways out where megatron names none: an optimizer state
-    sharded for one (TP, PP) read at another."""
+    sharded for one (TP, PP) read at another. A tensor the checkpoint holds in another shape, or lacks
+    (megatron-core's loader), is one line naming it: the checkpoint is of another model."""
+    text = f"{type(exc).__name__}: {exc}"
+    unreadable = _SHAPE.search(text) or _MISSING.search(text)
+    if unreadable is not None:
+        what = (f"holds {unreadable[3]} as {unreadable[1]}, this run's is {unreadable[2]}" if unreadable.re is _SHAPE
+                else f"lacks {unreadable[1]}, which this run reads")
+        return InputRefused(f"--load {args.load}: the checkpoint {what}: another model (its vocabulary, sizes or "
+                            "layers) saved it; load it with the model and flags that saved it")
     tb = _raising_frame(exc)
     if tb is None or tb.tb_frame.f_globals.get("__name__") != "megatron.training.checkpointing":
         return None
@@ -91,12 +106,12 @@ def checkpoint_refusal(exc: BaseException, args) -> InputRefused | None:
     return refused
 
 
-def refused_call(call, to_refusal, args):
-    """``call()``; where it fails one of megatron's checks (``CHECK_FAILURES``) that ``to_refusal(exc, args)``
-    turns into an ``InputRefused``, that refusal instead; anything else keeps its traceback."""
+def refused_call(call, to_refusal, args, failures: tuple = CHECK_FAILURES):
+    """``call()``; where it fails one of megatron's checks (``failures``) that ``to_refusal(exc, args)`` turns
+    into an ``InputRefused``, that refusal instead; anything else keeps its traceback."""
     try:
         return call()
-    except CHECK_FAILURES as exc:
+    except failures as exc:
         refused = to_refusal(exc, args)
         if refused is None:
             raise

@@ -118,15 +118,18 @@ def corpora_checked(build_iterators):
 
 def checkpoint_refused(load_checkpoint):
     """megatron.training's ``load_checkpoint`` checks what it reads against the run on every rank, after the
-    model is built: a check that fails (an optimizer state sharded for another (TP, PP)) is one line, not a
-    ``RuntimeError`` traceback per rank."""
+    model is built: a check that fails (an optimizer state sharded for another (TP, PP)), or a tensor saved in
+    another shape or not at all (megatron-core's loader), is one line, not a traceback per rank."""
 
     @functools.wraps(load_checkpoint)
     def load(*args, **kwargs):
+        from megatron.core.dist_checkpointing.core import CheckpointingException
         from megatron.training.global_vars import get_args
+        from torch.distributed.checkpoint.api import CheckpointException
 
+        failures = (*input_refusals.CHECK_FAILURES, CheckpointingException, CheckpointException, KeyError)
         return input_refusals.refused_call(lambda: load_checkpoint(*args, **kwargs),
-                                           input_refusals.checkpoint_refusal, get_args())
+                                           input_refusals.checkpoint_refusal, get_args(), failures)
 
     return load
 

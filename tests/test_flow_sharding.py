@@ -201,7 +201,7 @@ def test_megatron_fsdp_takes_megatron_lm_s_defaults_and_the_distributed_optimize
 
 def _refused_load(flags: list[str], load) -> tuple[int, str]:
     """scripts/pretrain_gpt.py on 2 ranks with ``flags`` loading ``load``: rank 0's exit status and last line."""
-    argv = [*BASE, *flags, "--train-iters", "1", "--load", str(load), "--distributed-timeout-minutes", "1"]
+    argv = [*BASE, *flags, "--train-iters", "3", "--load", str(load), "--distributed-timeout-minutes", "1"]
     status, output = launch_script("scripts/pretrain_gpt.py", argv)[0]
     return status, (output.strip().splitlines() or [""])[-1]
 
@@ -216,6 +216,7 @@ def test_a_checkpoint_of_the_other_format_is_refused_in_one_line(saved, loading,
     Megatron-FSDP's save did) against the run's --ckpt-format, before any tensor is read."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
+    (tmp_path / "iter_0000001").mkdir()
     save_config(CheckpointingConfig(sharded_backend=saved), str(tmp_path / "iter_0000001"))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
     status, line = _refused_load(SHARDED["megatron-fsdp" if loading == "fsdp_dtensor" else "torch-fsdp2"], tmp_path)
