@@ -3,6 +3,7 @@ megatron.training in its wheel, so what a user of the wheel meets is tested agai
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -42,9 +43,12 @@ def test_megatron_training_initialize_starts_the_watch_a_stalled_peer_ends_with_
     pytest.importorskip("megatron.training.initialize", reason="megatron.training ships in the wheel from 0.17")
     ended = launch_ranks(2, stall_after_initialize, 0.05, env={"ADAPTER_BACKEND": "cpu"}, timeout=60)
     assert ended[0]["status"] == 1, ended[0]["log"][-3000:]
-    assert ended[0]["log"].strip().splitlines()[-1] == (
-        "error: rank 0: all_reduce on the tensor model parallel group (ranks [0, 1]) timed out after 3 s "
-        "(--distributed-timeout-minutes 0.05): rank 1 did not arrive; ending this process"), ended[0]["log"][-3000:]
+    line = ended[0]["log"].strip().splitlines()[-1]
+    found = re.fullmatch(r"error: rank 0: all_reduce on the tensor model parallel group \(ranks \[0, 1\]\) timed out "
+                         r"after (\d+) s \(--distributed-timeout-minutes 0.05\): rank 1 did not arrive; ending this "
+                         r"process", line)
+    # the seconds the watcher measured: the timeout, or up to 3 s past it where a loaded machine runs it late
+    assert found and 2 <= int(found[1]) <= 6, ended[0]["log"][-3000:]
     assert "the all-reduce returned" not in ended[0]["log"]
 
 
