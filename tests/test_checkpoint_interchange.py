@@ -15,7 +15,9 @@ import re
 
 import pytest
 import torch
+from packaging.version import Version
 
+from adapter.registry import installed_megatron_core_version
 from tests.checkpoint_interchange_ranks import megatron_lm_loads_the_flow_checkpoint
 from tests.distributed import ROOT, launch_script, run_ranks
 
@@ -115,12 +117,15 @@ def test_a_checkpoint_of_either_flow_resumes_in_the_other_on_the_curve_of_the_ru
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.megatron_training
+@pytest.mark.xfail(Version(installed_megatron_core_version()) < Version("0.18"), strict=True,
+                   reason="megatron-core 0.17.1's loader reads the 256 saved rows into the run's 384 and trains on "
+                          "without a word (measured 2026-12-06; 0.18.2 and 0.19.2 refuse the shape)")
 def test_a_checkpoint_of_another_vocabulary_is_refused_in_one_line(tmp_path):
     """Megatron-LM's --vocab-size 256 with the NullTokenizer saves 256 embedding rows; a run of 384 rows
     (--padded-vocab-size 384) reading it: megatron.training compares padded_vocab_size only for legacy
     checkpoints with --vocab-file, and megatron-core's loader fails on the first tensor of another shape with
     a traceback on every rank. One line, exit 2 on each: the tensor, both shapes, the way out."""
-    argv = TINY + ["--train-iters", "1", "--save", str(tmp_path), "--save-interval", "1"]
+    argv = TINY + ["--train-iters", "2", "--exit-interval", "1", "--save", str(tmp_path), "--save-interval", "1"]
     assert all(status == 0 for status, _ in launch_script("scripts/pretrain_gpt.py", argv))
     resumed = launch_script("scripts/pretrain_gpt.py", [*TINY, "--train-iters", "2", "--load", str(tmp_path),
                                                         "--padded-vocab-size", "384"])
