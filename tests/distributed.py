@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import select
 import signal
 import subprocess
@@ -42,6 +43,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class RankFailure(AssertionError):
     pass
+
+
+def hang_seconds(line: str, pattern: str) -> int | None:
+    """The seconds in the hang watch's line (adapter/liveness.py) where ``line`` is ``pattern`` around its
+    ``timed out after N s`` (TIMED_OUT in ``pattern``), else None. The line gives the seconds the watcher
+    measured: the timeout, or a little past it where a loaded machine runs its thread late, so callers bound
+    them rather than expect one number."""
+    found = re.fullmatch(pattern.replace("TIMED_OUT", r"timed out after (?P<seconds>\d+) s"), line)
+    return None if found is None else int(found["seconds"])
 
 
 def run_ranks(world_size: int, fn, *args, env: dict | None = None, timeout: float = 600.0) -> list:

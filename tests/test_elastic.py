@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.distributed import ROOT
+from tests.distributed import ROOT, hang_seconds
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -60,10 +60,8 @@ def _timed_out(errors: list[str], pattern: str) -> bool:
     """One ``error:`` line matching ``pattern`` around its ``timed out after N s``, N the timeout (6 s) or up to
     4 s past it: the watcher looks every 0.25 s, and on a loaded machine (CI's 2 cores under three pytest
     workers) its thread may run a little late; the line says the seconds it measured."""
-    if len(errors) != 1:
-        return False
-    found = re.fullmatch(pattern.replace("TIMED_OUT", r"timed out after (?P<seconds>\d+) s"), errors[0])
-    return found is not None and 5 <= int(found["seconds"]) <= 10
+    seconds = hang_seconds(errors[0], pattern) if len(errors) == 1 else None
+    return seconds is not None and 5 <= seconds <= 10
 
 
 def _logged(output: str) -> list[int]:
