@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \|.*?lm loss: [0-9.E+-]+")
 ARGUMENT = re.compile(r"\s+\w+ \.{3,} ")  # a line of megatron's argument table
-LOSS = re.compile(r"\bloss (\d+): (\d\.\d+E[+-]\d+)")  # the ranks' lines may interleave
+# no word boundary before it: a rank's line may land inside another's ("... in torch_dist formatloss 2: 6.19E+00")
+LOSS = re.compile(r"loss (\d+): (\d\.\d+E[+-]\d+)")
 
 
 def _argv(save, iters: int = 8, *extra) -> list[str]:
