@@ -365,9 +365,16 @@ def _end(token: int, exc: BaseException | None = None) -> None:
             if missing else "every rank arrived"
     except Exception as exc:  # the store itself is gone (its host died): say what is known
         what, absent = f"{entry['name']} on {entry['group_name']}", f"the store did not answer ({exc})"
-    print(f"error: rank {rank}: {what} {how}: {absent}; ending this process", file=sys.stderr, flush=True)
+    _say(f"error: rank {rank}: {what} {how}: {absent}; ending this process", sys.stderr)
     end_children()
     os._exit(1)
+
+
+def _say(line: str, stream) -> None:
+    """``line`` in one write: every rank's output shares torchrun's pipe, where print's separate write of the
+    newline let another rank's line land inside this one (seen: a straggler line ending in rank 1's loss)."""
+    stream.write(line + "\n")
+    stream.flush()
 
 
 def end_children() -> None:
@@ -395,7 +402,7 @@ class StragglerCheck:
         self.started, self.waited = time.monotonic(), _waited[0]
         line = self._judge([t.item() for t in times], iteration)
         if line and torch.distributed.get_rank() == 0:
-            print(line, flush=True)
+            _say(line, sys.stdout)
         return line
 
     def _judge(self, times: list[float], iteration: int) -> str | None:
