@@ -81,6 +81,10 @@ def tokenizer_refusal(exc: BaseException, args) -> InputRefused | None:
 # (raised inside torch.distributed.checkpoint's planning, which wraps it in a CheckpointException with its text)
 _SHAPE = re.compile(r"Global shape mismatch for loaded \((.*?)\) and expected \((.*?)\) tensor for key (.+)")
 _MISSING = re.compile(r"KeyError: '?(\S+) from model not in state dict")
+# megatron-core's optimizer state of another split (ChainedOptimizer: the experts' optimizer of its own at
+# expert parallel size > 1) read into this run's: the dist-ckpt keys' chained_N. prefix, or the structure
+_CHAINED = re.compile(r"[\"']chained_\d+\.[^\"']* from model not in state dict|from model not in state dict: "
+                      r"\[[^\]]*'chained_\d+\.|Expected \d+ entries in state dict, but got \d+")
 
 
 def checkpoint_refusal(exc: BaseException, args) -> InputRefused | None:
@@ -89,6 +93,13 @@ def checkpoint_refusal(exc: BaseException, args) -> InputRefused | None:
     sharded for one (TP, PP) read at another. A tensor the checkpoint holds in another shape, or lacks
     (megatron-core's loader), is one line naming it: the checkpoint is of another model."""
     text = f"{type(exc).__name__}: {exc}"
+    if _CHAINED.search(text) or _single_optimizer_given_a_chained_state(exc):
+        return InputRefused(f"--load {args.load}: the checkpoint's optimizer state is split into another number "
+                            "of optimizers than this run's (megatron-core gives the experts an optimizer of their "
+                            "own when they are sharded apart from the rest, as at --expert-model-parallel-size > 1, "
+                            "and loads an optimizer state only into the split that saved it): resume at the "
+                            "expert parallel layout that saved it, or load the weights alone with --no-load-optim "
+                            "(a fresh optimizer and learning-rate schedule)")
     unreadable = _SHAPE.search(text) or _MISSING.search(text)
     if unreadable is not None:
         what = (f"holds {unreadable[3]} as {unreadable[1]}, this run's is {unreadable[2]}" if unreadable.re is _SHAPE
@@ -104,6 +115,14 @@ def checkpoint_refusal(exc: BaseException, args) -> InputRefused | None:
                                "resume at the checkpoint's (TP, PP); Megatron-LM saves an optimizer state any "
                                "layout reads with --dist-ckpt-optim-fully-reshardable")
     return refused
+
+
+def _single_optimizer_given_a_chained_state(exc: BaseException) -> bool:
+    """A KeyError for 'optimizer' in megatron-core's distributed optimizer's ``load_state_dict``: it was handed
+    a ChainedOptimizer's state (one entry per optimizer), whose fully reshardable tensors loaded unprefixed."""
+    tb = _raising_frame(exc)
+    return (isinstance(exc, KeyError) and exc.args == ("optimizer",) and tb is not None
+            and tb.tb_frame.f_globals.get("__name__") == "megatron.core.optimizer.distrib_optimizer")
 
 
 def refused_call(call, to_refusal, args, failures: tuple = CHECK_FAILURES):

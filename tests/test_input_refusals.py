@@ -234,3 +234,43 @@ def test_megatron_lms_pretrain_gpt_stops_in_one_line_with_status_2(tmp_path, fla
     assert done.returncode == 2 and len(errors) == 1, output[-4000:]
     assert errors[0].startswith(line.format(**paths)) and "Traceback" not in output, output[-4000:]
     assert " iteration " not in output, output[-4000:]
+
+
+# megatron-core 0.19.2's errors when an optimizer state of one split (a ChainedOptimizer's chained_0/1 at expert
+# parallel size > 1) meets a run of the other, in the forms seen 2026-12-06 in each direction and format
+_DP_BUCKET = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.param"
+CHAINED_STATES = {
+    "ep2 into ep1, dp_reshardable": KeyError(f"{_DP_BUCKET} from model not in state dict: ['chained_0.{_DP_BUCKET}', "
+                                             "'decoder.final_layernorm.weight']"),
+    "ep1 into ep2, dp_reshardable": KeyError(f"chained_0.{_DP_BUCKET} from model not in state dict: "
+                                             f"['{_DP_BUCKET}', 'decoder.final_layernorm.weight']"),
+    "ep1 into ep2, fully reshardable": RuntimeError("Expected 2 entries in state dict, but got 3."),
+}
+
+
+@pytest.mark.parametrize("error", CHAINED_STATES.values(), ids=CHAINED_STATES)
+def test_an_optimizer_state_of_another_expert_split_is_one_line_with_the_ways_out(error):
+    from adapter.input_refusals import checkpoint_refusal
+
+    refused = checkpoint_refusal(error, types.SimpleNamespace(load="ckpt"))
+    assert str(refused).startswith("--load ckpt: the checkpoint's optimizer state is split into another number of "
+                                   "optimizers than this run's") and "--no-load-optim" in str(refused)
+
+
+def test_a_single_optimizer_handed_a_chained_state_is_that_refusal_and_other_key_errors_are_not():
+    """EP2's fully reshardable state into EP1: its tensors load unprefixed, then megatron-core's distributed
+    optimizer finds no 'optimizer' entry (the chained state holds one per optimizer). Raised elsewhere, or
+    for another key, a KeyError is a fault of code and keeps its traceback."""
+    from adapter.input_refusals import checkpoint_refusal
+
+    def raised_in(module: str, key: str) -> KeyError:
+        try:
+            exec("state = {}\nstate[key]", {"__name__": module, "key": key})
+        except KeyError as exc:
+            return exc
+
+    args = types.SimpleNamespace(load="ckpt")
+    assert "--no-load-optim" in str(checkpoint_refusal(raised_in("megatron.core.optimizer.distrib_optimizer",
+                                                                 "optimizer"), args))
+    assert checkpoint_refusal(raised_in("megatron.core.optimizer.distrib_optimizer", "param_groups"), args) is None
+    assert checkpoint_refusal(raised_in("some.user.module", "optimizer"), args) is None
