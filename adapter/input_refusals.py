@@ -23,6 +23,7 @@ import linecache
 import os
 import re
 import sys
+from pathlib import Path
 
 import torch
 
@@ -80,7 +81,9 @@ def tokenizer_refusal(exc: BaseException, args) -> InputRefused | None:
 # megatron-core's dist_checkpointing, a saved tensor the run cannot read (strategies/torch.py, every rank)
 # (raised inside torch.distributed.checkpoint's planning, which wraps it in a CheckpointException with its text)
 _SHAPE = re.compile(r"Global shape mismatch for loaded \((.*?)\) and expected \((.*?)\) tensor for key (.+)")
-_MISSING = re.compile(r"KeyError: '?(\S+) from model not in state dict")
+# (megatron-core's loader for torch_dist; torch DCP's planner for fsdp_dtensor and torch_dcp)
+_MISSING = re.compile(r"KeyError: '?(\S+) from model not in state dict|"
+                      r"Error: Missing key in checkpoint state_dict: (\S+?)\.?$", re.M)
 # megatron-core's optimizer state of another split (ChainedOptimizer: the experts' optimizer of its own at
 # expert parallel size > 1) read into this run's: the dist-ckpt keys' chained_N. prefix, or the structure
 _CHAINED = re.compile(r"[\"']chained_\d+\.[^\"']* from model not in state dict|from model not in state dict: "
@@ -93,6 +96,9 @@ def checkpoint_refusal(exc: BaseException, args) -> InputRefused | None:
     sharded for one (TP, PP) read at another. A tensor the checkpoint holds in another shape, or lacks
     (megatron-core's loader), is one line naming it: the checkpoint is of another model."""
     text = f"{type(exc).__name__}: {exc}"
+    other_format = _other_format(args)
+    if other_format is not None:
+        return other_format
     if _CHAINED.search(text) or _single_optimizer_given_a_chained_state(exc):
         return InputRefused(f"--load {args.load}: the checkpoint's optimizer state is split into another number "
                             "of optimizers than this run's (megatron-core gives the experts an optimizer of their "
@@ -103,7 +109,7 @@ def checkpoint_refusal(exc: BaseException, args) -> InputRefused | None:
     unreadable = _SHAPE.search(text) or _MISSING.search(text)
     if unreadable is not None:
         what = (f"holds {unreadable[3]} as {unreadable[1]}, this run's is {unreadable[2]}" if unreadable.re is _SHAPE
-                else f"lacks {unreadable[1]}, which this run reads")
+                else f"lacks {unreadable[1] or unreadable[2]}, which this run reads")
         return InputRefused(f"--load {args.load}: the checkpoint {what}: another model (its vocabulary, sizes or "
                             "layers) saved it; load it with the model and flags that saved it")
     tb = _raising_frame(exc)
@@ -115,6 +121,54 @@ def checkpoint_refusal(exc: BaseException, args) -> InputRefused | None:
                                "resume at the checkpoint's (TP, PP); Megatron-LM saves an optimizer state any "
                                "layout reads with --dist-ckpt-optim-fully-reshardable")
     return refused
+
+
+# megatron.training tells a checkpoint's format by its files (checkpointing._get_checkpoint_format) and reads
+# it with that format's state dict; the run's own is its --ckpt-format's, and Megatron-FSDP's (fsdp_dtensor) is
+# built unlike the others. Per format on disk: the --ckpt-format values that read it, what says so, the flags
+_ON_DISK = {"torch_dist": (("torch_dist",), "megatron's metadata.json, a torch_dist checkpoint",
+                           "--ckpt-format torch_dist, without --use-megatron-fsdp"),
+            "torch": (("torch",), "mp_rank_* files, a torch checkpoint", "--ckpt-format torch"),
+            "dcp": (("fsdp_dtensor", "torch_dcp"), "torch's DCP files without megatron's metadata.json, an "
+                    "fsdp_dtensor or torch_dcp checkpoint", "--use-megatron-fsdp --ckpt-format fsdp_dtensor "
+                    "(Megatron-FSDP's), or --ckpt-format torch_dcp (FSDP2's)")}
+
+
+def _other_format(args) -> InputRefused | None:
+    """A load that failed on a checkpoint whose files say another format than the run's --ckpt-format (a
+    Megatron-FSDP fsdp_dtensor checkpoint in a torch_dist run, or the other way): the reason, in one line."""
+    directory = _checkpoint_directory(args)
+    if directory is None:
+        return None
+    if (directory / "metadata.json").exists():
+        on_disk = "torch_dist"
+    elif any(path.name.startswith("mp_rank_0") for path in directory.iterdir()):
+        on_disk = "torch"
+    elif (directory / ".metadata").exists():
+        on_disk = "dcp"
+    else:
+        return None
+    readers, files, flags = _ON_DISK[on_disk]
+    if args.ckpt_format in readers:
+        return None
+    return InputRefused(f"--load {args.load}: {directory.name} holds {files}, and this run reads --ckpt-format "
+                        f"{args.ckpt_format}: load it with the flags that saved it ({flags})")
+
+
+def _checkpoint_directory(args) -> Path | None:
+    """The iteration directory megatron.training loads from ``args.load``: --ckpt-step's, or the tracker's (read
+    here without megatron's all-reduce over ranks: this runs where a load failed)."""
+    if not getattr(args, "load", None):
+        return None
+    load, step = Path(args.load), getattr(args, "ckpt_step", None)
+    if step is None:
+        tracker = load / "latest_checkpointed_iteration.txt"
+        text = tracker.read_text().strip() if tracker.is_file() else ""
+        if text == "release":
+            return load / "release" if (load / "release").is_dir() else None
+        step = int(text) if text.isdigit() else None
+    directory = load / f"iter_{step:07d}" if step is not None else None
+    return directory if directory is not None and directory.is_dir() else None
 
 
 def _single_optimizer_given_a_chained_state(exc: BaseException) -> bool:

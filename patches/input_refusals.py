@@ -118,8 +118,9 @@ def corpora_checked(build_iterators):
 
 def checkpoint_refused(load_checkpoint):
     """megatron.training's ``load_checkpoint`` checks what it reads against the run on every rank, after the
-    model is built: a check that fails (an optimizer state sharded for another (TP, PP)), or a tensor saved in
-    another shape or not at all (megatron-core's loader), is one line, not a traceback per rank."""
+    model is built: a check that fails (an optimizer state sharded for another (TP, PP) or another expert
+    split), a tensor saved in another shape or not at all (megatron-core's loader), or a checkpoint of
+    another format than the run's (which fails anywhere in the reading) is one line, not a traceback per rank."""
 
     @functools.wraps(load_checkpoint)
     def load(*args, **kwargs):
@@ -127,7 +128,8 @@ def checkpoint_refused(load_checkpoint):
         from megatron.training.global_vars import get_args
         from torch.distributed.checkpoint.api import CheckpointException
 
-        failures = (*input_refusals.CHECK_FAILURES, CheckpointingException, CheckpointException, KeyError)
+        failures = (*input_refusals.CHECK_FAILURES, CheckpointingException, CheckpointException, KeyError,
+                    AttributeError)
         return input_refusals.refused_call(lambda: load_checkpoint(*args, **kwargs),
                                            input_refusals.checkpoint_refusal, get_args(), failures)
 

@@ -207,35 +207,41 @@ def _refused_load(flags: list[str], load) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="megatron.training tells a checkpoint's format by its files and loads it "
-                                       "with the run's format: no one-line refusal of the other format (the old "
-                                       "flow's)")
-@pytest.mark.parametrize("saved, loading", [("fsdp_dtensor", "torch_dist"), ("torch_dist", "fsdp_dtensor")])
-def test_a_checkpoint_of_the_other_format_is_refused_in_one_line(saved, loading, tmp_path):
-    """The format megatron's metadata.json names (torch_dist where megatron wrote it, fsdp_dtensor where
-    Megatron-FSDP's save did) against the run's --ckpt-format, before any tensor is read."""
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-
-    (tmp_path / "iter_0000001").mkdir()
-    save_config(CheckpointingConfig(sharded_backend=saved), str(tmp_path / "iter_0000001"))
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
-    status, line = _refused_load(SHARDED["megatron-fsdp" if loading == "fsdp_dtensor" else "torch-fsdp2"], tmp_path)
-    assert status == 2 and line.startswith(f"error: --load {tmp_path}") and saved in line, line
+def test_a_checkpoint_of_the_other_format_is_refused_in_one_line(tmp_path):
+    """megatron.training tells a checkpoint's format by its files and reads it with that format's state dict,
+    which a run of the other format does not hold: a traceback from torch's reader on every rank (an
+    AttributeError for Megatron-FSDP's fsdp_dtensor checkpoint in an FSDP2 torch_dist run, a KeyError the
+    other way). One line naming the files, the run's --ckpt-format and the flags that read it, exit 2."""
+    formats = {"fsdp_dtensor": "megatron-fsdp", "torch_dist": "torch-fsdp2"}
+    for saved, kind in formats.items():
+        argv = [*BASE, *SHARDED[kind], "--train-iters", "3", "--exit-interval", "1", "--save", str(tmp_path / saved),
+                "--save-interval", "1"]
+        assert [status for status, _ in launch_script("scripts/pretrain_gpt.py", argv)] == [0, 0]
+    status, line = _refused_load(SHARDED["torch-fsdp2"], tmp_path / "fsdp_dtensor")
+    assert status == 2 and line == (
+        f"error: --load {tmp_path / 'fsdp_dtensor'}: iter_0000001 holds torch's DCP files without megatron's "
+        "metadata.json, an fsdp_dtensor or torch_dcp checkpoint, and this run reads --ckpt-format torch_dist: load "
+        "it with the flags that saved it (--use-megatron-fsdp --ckpt-format fsdp_dtensor (Megatron-FSDP's), or "
+        "--ckpt-format torch_dcp (FSDP2's))"), line
+    status, line = _refused_load(SHARDED["megatron-fsdp"], tmp_path / "torch_dist")
+    assert status == 2 and line == (
+        f"error: --load {tmp_path / 'torch_dist'}: iter_0000001 holds megatron's metadata.json, a torch_dist "
+        "checkpoint, and this run reads --ckpt-format fsdp_dtensor: load it with the flags that saved it "
+        "(--ckpt-format torch_dist, without --use-megatron-fsdp)"), line
 
 
 FC1 = "module.decoder.layers.0.mlp.linear_fc1."
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="megatron.training's fsdp_dtensor load of another model's checkpoint fails "
-                                       "in torch's reader, not in the old flow's one line naming a missing entry")
 def test_a_checkpoint_lacking_what_the_run_reads_is_refused_in_one_line(tmp_path):
-    """Another model's checkpoint: one line naming the checkpoint, an entry it lacks and the way out, before
-    torch reads anything."""
+    """Another model's fsdp_dtensor checkpoint (here one tensor and not megatron's entries): torch's reader
+    fails planning on every rank; one line naming the checkpoint, the first entry it lacks and the way out."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     dcp.save({"model": {f"{FC1}weight": torch.zeros(4, 2)}}, checkpoint_id=str(tmp_path / "iter_0000001"))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
     status, line = _refused_load(SHARDED["megatron-fsdp"], tmp_path)
-    assert status == 2 and "the checkpoint lacks" in line and "load it with the model and flags that saved it" in line
+    assert status == 2 and line.startswith(f"error: --load {tmp_path}: the checkpoint lacks args, which this run "
+                                           "reads") and "load it with the model and flags that saved it" in line, line
