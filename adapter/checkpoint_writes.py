@@ -1,5 +1,6 @@
 """A synchronous save's write results, collected in the saving process instead of through a spawned
-multiprocessing Manager (installed by ``patches/checkpoint_writes.py``).
+multiprocessing Manager; an asynchronous save's host tensors copied before training goes on; and megatron's
+persistent checkpoint worker started with the adapter first (installed by ``patches/checkpoint_writes.py``).
 
 megatron's checkpoint writer (``FileSystemWriterAsync``, behind every ``torch_dist`` save, synchronous or
 not) hands its write results through the queue ``get_write_results_queue`` gives it (0.16:
@@ -60,3 +61,54 @@ def in_process_unless_async(save_checkpoint):
             return save_checkpoint(*call, **kwargs)
 
     return save
+
+
+def host_tensors_copied_unless_synchronous(preload_tensors):
+    """Registry wrapper for ``FileSystemWriterAsync.preload_tensors``, which stages an asynchronous save's
+    tensors with ``tensor.to("cpu")`` before training goes on, trusting that to copy them (the "D2H"). A
+    tensor already on the host (every tensor on the cpu backend; offloaded optimizer state elsewhere) comes
+    back as itself, its storage moved to shared memory when handed to the persistent worker, so the writer
+    read parameters the next steps were updating: an iteration-2 checkpoint with iteration-3 values, now and
+    then. Outside ``results_in_process()`` (an asynchronous save) host tensors are copied first; a
+    synchronous save writes before training goes on and copies nothing."""
+
+    @functools.wraps(preload_tensors)
+    def preload(write_buckets, *args, **kwargs):
+        if getattr(_SCOPE, "queue", None) is None:
+            write_buckets = [(name, key, (bytes_data, [(item, t.clone() if t.device.type == "cpu" else t)
+                                                       for item, t in tensors]))
+                             for name, key, (bytes_data, tensors) in write_buckets]
+        return preload_tensors(write_buckets, *args, **kwargs)
+
+    return preload
+
+
+class _LoopAfterTheAdapter:
+    """megatron's persistent checkpoint worker loop (``PersistentAsyncCaller.async_loop``) as its process's
+    target. megatron starts that process with 'spawn' or 'forkserver': a fresh interpreter that unpickles the
+    target. The adapter is imported there only where the parent's main module imports it (scripts/pretrain_gpt.py
+    does; a notebook, a test harness or a script that imports it later do not), and without it the loop's
+    ``torch.cuda.set_device(rank % torch.cuda.device_count())`` raised ZeroDivisionError off CUDA while the
+    trainer waited on the worker for good. Unpickled, this is ``_worker_loop()``: importing this module imports
+    the adapter first, and the loop is that process's own, routed."""
+
+    def __init__(self, loop):
+        self._loop = loop
+        functools.update_wrapper(self, loop)
+
+    def __call__(self, *args, **kwargs):
+        return self._loop(*args, **kwargs)
+
+    def __reduce__(self):
+        return _worker_loop, ()
+
+
+def _worker_loop():
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    return PersistentAsyncCaller.async_loop
+
+
+def loop_after_the_adapter(async_loop):
+    """Registry wrapper for ``PersistentAsyncCaller.async_loop``: see ``_LoopAfterTheAdapter``."""
+    return _LoopAfterTheAdapter(async_loop)

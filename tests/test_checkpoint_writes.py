@@ -3,6 +3,7 @@ no multiprocessing Manager is spawned at the first save, and what was saved load
 the flow's scope still gets megatron's own Manager queue (which Megatron-LM's asynchronous saves need)."""
 
 import multiprocessing.process
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -77,3 +78,40 @@ def _layers(function) -> list[str]:
         names.append(function.__code__.co_qualname)
         function = getattr(function, "__wrapped__", None)
     return names
+
+
+def _buckets(tensor):
+    """One of megatron's write buckets (file name, storage key, (byte items, tensor items)) holding ``tensor``."""
+    return [("f.distcp", "f.distcp", ([], [("item", tensor)]))]
+
+
+def test_an_asynchronous_save_stages_host_tensors_as_copies_and_a_synchronous_one_as_they_are():
+    """megatron stages an asynchronous save with tensor.to("cpu") and lets training go on, trusting it to copy
+    (a device-to-host transfer): a host tensor came back as itself, and the writer saw the next steps' values."""
+    weight = torch.arange(6, dtype=torch.float32)
+    (_, _, (_, [(_, staged)])), = filesystem_async.FileSystemWriterAsync.preload_tensors(_buckets(weight), False)
+    weight.add_(100)
+    assert staged.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    assert torch.equal(staged, torch.arange(6, dtype=torch.float32))
+    with checkpoint_writes.results_in_process():
+        (_, _, (_, [(_, as_is)])), = filesystem_async.FileSystemWriterAsync.preload_tensors(_buckets(weight), False)
+    assert as_is is weight
+
+
+def test_the_persistent_workers_loop_brings_the_adapter_into_a_fresh_interpreter():
+    """megatron starts its persistent checkpoint worker with 'spawn' or 'forkserver': a fresh interpreter
+    unpickling the loop. Unpickled there, it imports the adapter (whose routing the loop's torch.cuda calls
+    need) before megatron's module, and is that interpreter's own loop."""
+    import pickle
+    import subprocess
+    import sys
+
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    payload = pickle.dumps(PersistentAsyncCaller.async_loop)
+    check = ("import pickle, sys; loop = pickle.loads(bytes.fromhex(sys.argv[1])); "
+             "from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller as P; "
+             "print('adapter' in sys.modules, loop is P.async_loop, loop.__wrapped__ is not loop)")
+    done = subprocess.run([sys.executable, "-c", check, payload.hex()], capture_output=True, text=True,
+                          cwd=str(Path(__file__).resolve().parent.parent), timeout=300)
+    assert done.stdout.split() == ["True", "True", "True"], done.stdout + done.stderr[-3000:]
