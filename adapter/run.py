@@ -43,6 +43,7 @@ import os
 import site
 import types
 import sys
+import time
 from pathlib import Path
 
 import adapter  # the backend and the patch table, before anything imports megatron
@@ -139,14 +140,29 @@ def run_guarded(train, *args) -> int:
     try:
         train(*args)
     except RefusedSetting as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr, flush=True)
         _leave_groups()
+        if os.environ.get("RANK", "0") == "0" or _left_standing_by_rank_0():
+            print(f"error: {exc}", file=sys.stderr, flush=True)
         return REFUSED
     except StepFailed as exc:  # a save that failed on this rank; the others stop with its line (shared_outcome)
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+RANK_0_GRACE_S = 60.0
+
+
+def _left_standing_by_rank_0() -> bool:
+    """Whether a refused rank other than 0 says the job's line. Under torchrun the first worker to exit
+    non-zero has the others SIGTERMed, so a rank that left before rank 0 printed could end the job without
+    its line (seen on a loaded machine: exit status 2, no line). Such a rank waits for the SIGTERM that rank
+    0's exit brings, up to ``RANK_0_GRACE_S``, and says the line itself if still here (rank 0 was not
+    refused, or waits on this rank). Without torchrun no one ends the others: rank 0 says it."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    time.sleep(RANK_0_GRACE_S)
+    return True
 
 
 def _leave_groups() -> None:

@@ -10,6 +10,7 @@ failed worker; the launcher says it in one line)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import types
@@ -153,6 +154,30 @@ def test_under_adapter_run_it_is_rank_0s_one_line_and_status_2_on_every_rank(tmp
     assert err0.strip().splitlines()[-1] == f"error: {REFUSED[0][1]}", err0[-3000:]
     assert "Traceback" not in err0 + err1 and "error:" not in err1 and err0.count("error:") == 1
     assert "validated" not in out0 + out1
+
+
+_SLOW_RANK_0 = """
+import os, time
+from adapter.input_refusals import InputRefused
+if os.environ["RANK"] == "0":
+    time.sleep(8)  # as a loaded machine can hold rank 0 back
+raise InputRefused("the job's line")
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_under_torchrun_a_rank_refused_before_rank_0_leaves_rank_0_the_line(tmp_path):
+    """torchrun SIGTERMs the other workers as soon as one exits non-zero: rank 1, refused first, waits for
+    that, so rank 0 still says the job's line (once), and torchrun names rank 0's exit status 2."""
+    script = tmp_path / "refused.py"
+    script.write_text(_SLOW_RANK_0)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "adapter.run", str(script)], cwd=tmp_path, text=True, capture_output=True,
+                          env=_base_env({"ADAPTER_BACKEND": "cpu"}), timeout=300)
+    output = done.stdout + done.stderr
+    assert output.count("error: the job's line") == 1, output[-3000:]
+    assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s+exitcode\s*:\s*2", output), output[-3000:]
 
 
 # ---------------------------------------------------------------- the corpora, before megatron builds datasets
