@@ -1,21 +1,25 @@
-"""The feature matrix: each feature of Megatron-LM's recipes, tiny, through both entry points (Megatron-LM's
-own pretrain_gpt.py under ``python -m adapter.run``, and this project's scripts/pretrain_gpt.py), on the cpu
-backend and with the npu kernel provider against the project's torch_npu double; writes docs/FEATURES.md.
+"""The feature matrix: each feature of Megatron-LM's recipes, tiny, through the one flow (scripts/pretrain_gpt.py,
+megatron.training's own ``pretrain``), on the cpu backend and with the npu kernel provider against the
+project's torch_npu double: a column per backend; writes docs/FEATURES.md.
 
 Each cell is one torchrun of a tiny model (4 layers, hidden 64, 4 iterations, --mock-data) with the feature's
-flags, Megatron-LM's spelling in both entry points, and ends as one of:
+flags, Megatron-LM's spelling, and ends as one of:
 
 - ``trains``: exit status 0 and a finite loss logged at the last iteration;
 - ``refused``: a non-zero exit with no traceback from a worker: the line that says why is shown (and how
   many times the job printed it: one line per job is the goal);
 - ``fails``: anything else (a worker's traceback, no loss, a time-out); the matrix's goal is to have none.
 
-Usage: python bench/feature_matrix.py [--megatron-lm PATH] [--flows megatron-lm,flow] [--backends cpu,npu]
-       [--only NAME ...] [--out docs/FEATURES.md] [--jobs 1] [--update]
-PATH defaults to the Megatron-LM checkout on PYTHONPATH (its tag must be the installed megatron-core's).
-Without a checkout the Megatron-LM column is left out, and said so. Every cell's outcome is also kept in
-docs/FEATURES.json; ``--update`` reruns only the cells asked for and keeps the others from there (a whole
-matrix is 144 torchruns: a change to one feature reruns its row).
+With a Megatron-LM checkout (``--megatron-lm PATH``, default the one on PYTHONPATH; its tag must be the
+installed megatron-core's), each cell also runs Megatron-LM's own pretrain_gpt.py under ``python -m
+adapter.run`` with the same flags, and says whether it ends the same (the same last loss, or the same
+refusal); without one, the note says the comparison was not made.
+
+Usage: python bench/feature_matrix.py [--megatron-lm PATH] [--backends cpu,npu] [--only NAME ...]
+       [--out docs/FEATURES.md] [--jobs 1] [--update]
+Every cell's outcome is also kept in docs/FEATURES.json; ``--update`` reruns only the cells asked for and keeps
+the others from there (a whole matrix is 72 torchruns, twice that with the comparison: a change to one feature
+reruns its row).
 """
 
 from __future__ import annotations
@@ -139,7 +143,6 @@ FEATURES = (
     _f("NCCL user buffers", ["--use-nccl-ub"]),
     _f("symmetric-memory all-reduce", ["--symmetric-ar-type", "two_shot"]),
 )
-FLOWS = ("megatron-lm", "flow")
 BACKENDS = {"cpu": {"ADAPTER_BACKEND": "cpu"},
             "npu": {"ADAPTER_BACKEND": "cpu", "ADAPTER_KERNELS": "npu"}}  # and the double on PYTHONPATH
 DOUBLES = ROOT / "tests" / "doubles"
@@ -204,17 +207,30 @@ def _last_error(log: str) -> str | None:
     return errors[-1] if errors else None
 
 
-def command(feature: Feature, flow: str, checkout: Path | None, workdir: Path) -> list[str]:
-    script = (["-m", "adapter.run", str(checkout / "pretrain_gpt.py")] if flow == "megatron-lm"
+def command(feature: Feature, checkout: Path | None, workdir: Path) -> list[str]:
+    """The cell's torchrun: scripts/pretrain_gpt.py, or Megatron-LM's own script where ``checkout`` is given."""
+    script = (["-m", "adapter.run", str(checkout / "pretrain_gpt.py")] if checkout
               else [str(ROOT / "scripts" / "pretrain_gpt.py")])
     flags = [flag.format(workdir=workdir) for flag in feature.flags]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(feature.nproc),
             *script, *BASE, *(LOCAL if feature.local else []), *flags]
 
 
-def run_cell(feature: Feature, flow: str, backend: str, checkout: Path | None, timeout: int) -> Outcome:
-    """One torchrun of the cell in a scratch directory."""
-    pythonpath = [str(ROOT), *([str(checkout)] if flow == "megatron-lm" else [])]
+def run_cell(feature: Feature, backend: str, checkout: Path | None, timeout: int) -> Outcome:
+    """The cell: one torchrun of scripts/pretrain_gpt.py in a scratch directory; with ``checkout``, one of
+    Megatron-LM's pretrain_gpt.py too, whose outcome the detail compares."""
+    outcome = _run(feature, backend, None, timeout)
+    if checkout is not None:
+        theirs = _run(feature, backend, checkout, timeout)
+        same = (theirs.verdict, theirs.detail) == (outcome.verdict, outcome.detail)
+        outcome.detail += ("; Megatron-LM's pretrain_gpt.py: the same" if same
+                           else f"; Megatron-LM's pretrain_gpt.py: {theirs.verdict}, {theirs.detail}")
+        outcome.seconds += theirs.seconds
+    return outcome
+
+
+def _run(feature: Feature, backend: str, checkout: Path | None, timeout: int) -> Outcome:
+    pythonpath = [str(ROOT), *([str(checkout)] if checkout else [])]
     if backend == "npu":
         pythonpath.insert(0, str(DOUBLES))
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
@@ -224,7 +240,7 @@ def run_cell(feature: Feature, flow: str, backend: str, checkout: Path | None, t
     with tempfile.TemporaryDirectory(prefix="feature-matrix-") as workdir:
         started = time.monotonic()
         try:
-            done = subprocess.run(command(feature, flow, checkout, Path(workdir)), cwd=workdir, env=env,
+            done = subprocess.run(command(feature, checkout, Path(workdir)), cwd=workdir, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
             outcome = classify(done.returncode, done.stdout)
             outcome.log = done.stdout
@@ -238,25 +254,25 @@ def _flags_text(feature: Feature) -> str:
     return " ".join([*(f"{k}={v}" for k, v in feature.env), *(f for f in feature.flags if f != SAVE)]) or "(none)"
 
 
-def markdown(results: dict, flows: list[str], backends: list[str], note: str) -> str:
-    """docs/FEATURES.md: a row per feature, a column per flow and backend."""
-    columns = [(flow, backend) for flow in flows for backend in backends]
-    names = {"megatron-lm": "Megatron-LM pretrain_gpt.py", "flow": "scripts/pretrain_gpt.py"}
-    head = " | ".join(f"{names[f]}, {'npu provider (double)' if b == 'npu' else 'cpu'}" for f, b in columns)
-    rows = [f"| feature | flags | ranks | {head} |", "|" + " --- |" * (3 + len(columns))]
+def markdown(results: dict, backends: list[str], note: str) -> str:
+    """docs/FEATURES.md: a row per feature, a column per backend."""
+    head = " | ".join("npu provider (double)" if b == "npu" else "cpu" for b in backends)
+    rows = [f"| feature | flags | ranks | {head} |", "|" + " --- |" * (3 + len(backends))]
     for feature in FEATURES:
-        cells = [results.get((feature.name, *column)) for column in columns]
+        cells = [results.get((feature.name, backend)) for backend in backends]
         if all(cell is None for cell in cells):
             continue
         text = [f"**{c.verdict}**: {c.detail}".replace("|", "\\|") if c else "not run" for c in cells]
         rows.append(f"| {feature.name} | `{_flags_text(feature)}` | {feature.nproc} | {' | '.join(text)} |")
     counts = {v: sum(c.verdict == v for c in results.values()) for v in ("trains", "refused", "fails")}
     return "\n".join([
-        "# Features of Megatron-LM's recipes, by flow and backend",
+        "# Features of Megatron-LM's recipes, by backend",
         "",
-        "Written by `python bench/feature_matrix.py` (do not edit by hand). Each cell is one torchrun of a tiny",
-        f"model (4 layers, hidden 64, {ITERS} iterations, `--mock-data`) with the feature's flags; `trains` ends",
-        "with a finite loss, `refused` stops before training with the line shown, `fails` is anything else.",
+        "Written by `python bench/feature_matrix.py` (do not edit by hand). Each cell is one torchrun of",
+        f"`scripts/pretrain_gpt.py` (megatron.training's `pretrain`) on a tiny model (4 layers, hidden 64, {ITERS}",
+        "iterations, `--mock-data`) with the feature's flags; `trains` ends with a finite loss, `refused` stops",
+        "before training with the line shown, `fails` is anything else. Where a Megatron-LM checkout was at",
+        "hand, each cell also says how Megatron-LM's own `pretrain_gpt.py` (under `python -m adapter.run`) ended.",
         "",
         note,
         "",
@@ -268,7 +284,7 @@ def markdown(results: dict, flows: list[str], backends: list[str], note: str) ->
 
 
 def load_results(path: Path) -> dict:
-    """The cells recorded in ``path`` (docs/FEATURES.json), keyed (feature, flow, backend); none if absent."""
+    """The cells recorded in ``path`` (docs/FEATURES.json), keyed (feature, backend); none if absent."""
     if not path.exists():
         return {}
     return {tuple(cell["key"]): Outcome(cell["verdict"], cell["detail"], cell["seconds"])
@@ -282,16 +298,14 @@ def save_results(path: Path, results: dict, note: str) -> None:
     path.write_text(f'{{"note": {json.dumps(note)},\n "cells": [\n  {lines}\n ]}}\n')
 
 
-def _columns(results: dict) -> tuple[list[str], list[str]]:
-    """The flows and backends that have a cell, in the matrix's order."""
-    return ([f for f in FLOWS if any(k[1] == f for k in results)],
-            [b for b in BACKENDS if any(k[2] == b for k in results)])
+def _columns(results: dict) -> list[str]:
+    """The backends that have a cell, in the matrix's order."""
+    return [b for b in BACKENDS if any(k[1] == b for k in results)]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--megatron-lm", help="Megatron-LM checkout (default: the one on PYTHONPATH)")
-    parser.add_argument("--flows", default=",".join(FLOWS))
+    parser.add_argument("--megatron-lm", help="Megatron-LM checkout to compare with (default: the one on PYTHONPATH)")
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--only", nargs="+", help="features whose name contains any of these")
     parser.add_argument("--out", default=str(ROOT / "docs" / "FEATURES.md"))
@@ -299,26 +313,24 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     parser.add_argument("--update", action="store_true", help="keep the other cells recorded in the JSON")
     args = parser.parse_args(argv)
-    flows, backends = args.flows.split(","), args.backends.split(",")
+    backends = args.backends.split(",")
     checkout = Path(args.megatron_lm).resolve() if args.megatron_lm else megatron_lm_checkout()
     note = _environment_note(checkout)
-    if "megatron-lm" in flows and checkout is None:
-        flows.remove("megatron-lm")
-        note += " No Megatron-LM checkout was found: its column is left out."
+    if checkout is None:
+        note += " No Megatron-LM checkout was at hand: its pretrain_gpt.py was not compared."
     features = [f for f in FEATURES if not args.only or any(word in f.name for word in args.only)]
-    cells = [(f, flow, b) for f in features for flow in flows for b in backends]
+    cells = [(f, b) for f in features for b in backends]
     recorded = Path(args.out).with_suffix(".json")
     results = load_results(recorded) if args.update else {}
     if args.update:
         note += " Cells not rerun are kept from docs/FEATURES.json, as an earlier run recorded them."
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        futures = {pool.submit(run_cell, f, flow, b, checkout, args.timeout): (f.name, flow, b)
-                   for f, flow, b in cells}
+        futures = {pool.submit(run_cell, f, b, checkout, args.timeout): (f.name, b) for f, b in cells}
         for future in concurrent.futures.as_completed(futures):
             key, outcome = futures[future], future.result()
             results[key] = outcome
             print(f"{' / '.join(key)}: {outcome.verdict} ({outcome.seconds:.0f} s): {outcome.detail}", flush=True)
-            Path(args.out).write_text(markdown(results, *_columns(results), note))  # as far as it got
+            Path(args.out).write_text(markdown(results, _columns(results), note))  # as far as it got
             save_results(recorded, results, note)
     print(f"wrote {args.out}")
     return 1 if any(o.verdict == "fails" for o in results.values()) else 0

@@ -1,5 +1,5 @@
 """bench/feature_matrix.py: how a cell's log is read (trains / refused / fails), and CI's fast subset of the
-matrix: cells of the project's own flow on the cpu backend and with the npu provider against the double."""
+matrix: the flow's cells on the cpu backend and with the npu provider against the double."""
 
 from __future__ import annotations
 
@@ -56,36 +56,57 @@ def test_a_worker_traceback_fails_with_its_error_and_a_time_out_fails():
                                                                                                     "timed out")
 
 
-def test_the_markdown_has_a_column_per_flow_and_backend_and_the_totals():
-    results = {("TP2", "flow", "cpu"): feature_matrix.Outcome("trains", "loss 5.3 at iteration 4"),
-               ("TP2", "flow", "npu"): feature_matrix.Outcome("refused", "a | b")}
-    text = feature_matrix.markdown(results, ["flow"], ["cpu", "npu"], "note")
+def test_the_markdown_has_a_column_per_backend_and_the_totals():
+    results = {("TP2", "cpu"): feature_matrix.Outcome("trains", "loss 5.3 at iteration 4"),
+               ("TP2", "npu"): feature_matrix.Outcome("refused", "a | b")}
+    text = feature_matrix.markdown(results, ["cpu", "npu"], "note")
+    assert "| feature | flags | ranks | cpu | npu provider (double) |" in text
     assert "| TP2 | `--tensor-model-parallel-size 2` | 2 | **trains**: loss 5.3 at iteration 4 | " \
            "**refused**: a \\| b |" in text
     assert "Totals: 1 trains, 1 refused, 0 fails." in text and "FP8" not in text
 
 
+def test_with_a_checkout_a_cell_says_whether_megatron_lm_s_script_ends_the_same(tmp_path, monkeypatch):
+    """The flow's outcome is the cell's verdict; Megatron-LM's pretrain_gpt.py's is compared with it."""
+    theirs = {"TP2": feature_matrix.Outcome("trains", "loss 5.3 at iteration 4", 2.0),
+              "SGD": feature_matrix.Outcome("fails", "TypeError: x", 2.0)}
+    ran = []
+
+    def run(feature, backend, checkout, timeout):
+        ran.append(checkout)
+        return (theirs[feature.name] if checkout else feature_matrix.Outcome("trains", "loss 5.3 at iteration 4", 1.0))
+
+    monkeypatch.setattr(feature_matrix, "_run", run)
+    tp2, sgd = (next(f for f in feature_matrix.FEATURES if f.name == name) for name in ("TP2", "SGD"))
+    same = feature_matrix.run_cell(tp2, "cpu", tmp_path, 10)
+    assert (same.verdict, same.detail, same.seconds) == (
+        "trains", "loss 5.3 at iteration 4; Megatron-LM's pretrain_gpt.py: the same", 3.0)
+    other = feature_matrix.run_cell(sgd, "cpu", tmp_path, 10)
+    assert other.detail == "loss 5.3 at iteration 4; Megatron-LM's pretrain_gpt.py: fails, TypeError: x"
+    assert feature_matrix.run_cell(sgd, "cpu", None, 10).detail == "loss 5.3 at iteration 4"
+    assert ran == [None, tmp_path, None, tmp_path, None]
+
+
 def test_an_update_keeps_the_recorded_cells_it_does_not_rerun(tmp_path, monkeypatch):
     """--update reruns the cells asked for; the others come back from the JSON with their columns."""
-    recorded = {("TP2", "megatron-lm", "npu"): feature_matrix.Outcome("trains", "loss 5.3 at iteration 4", 12.0),
-                ("SGD", "flow", "cpu"): feature_matrix.Outcome("refused", "no", 3.0)}
+    recorded = {("TP2", "npu"): feature_matrix.Outcome("trains", "loss 5.3 at iteration 4", 12.0),
+                ("SGD", "cpu"): feature_matrix.Outcome("refused", "no", 3.0)}
     feature_matrix.save_results(tmp_path / "FEATURES.json", recorded, "note")
     rerun = feature_matrix.Outcome("trains", "loss 5.1 at iteration 4", 9.0)
-    monkeypatch.setattr(feature_matrix, "run_cell", lambda feature, flow, backend, checkout, timeout: rerun)
-    status = feature_matrix.main(["--update", "--only", "SGD", "--flows", "flow", "--backends", "cpu",
+    monkeypatch.setattr(feature_matrix, "run_cell", lambda feature, backend, checkout, timeout: rerun)
+    status = feature_matrix.main(["--update", "--only", "SGD", "--backends", "cpu",
                                   "--megatron-lm", str(tmp_path), "--out", str(tmp_path / "FEATURES.md")])
     assert status == 0
-    assert feature_matrix.load_results(tmp_path / "FEATURES.json") == {**recorded, ("SGD", "flow", "cpu"): rerun}
+    assert feature_matrix.load_results(tmp_path / "FEATURES.json") == {**recorded, ("SGD", "cpu"): rerun}
     table = (tmp_path / "FEATURES.md").read_text()
-    assert "Megatron-LM pretrain_gpt.py, npu provider (double) | scripts/pretrain_gpt.py, cpu |" in table
-    assert "| SGD | `--optimizer sgd` | 2 | not run | not run | **trains**: loss 5.1 at iteration 4 | not run |" \
-        in table
+    assert "| feature | flags | ranks | cpu | npu provider (double) |" in table
+    assert "| SGD | `--optimizer sgd` | 2 | **trains**: loss 5.1 at iteration 4 | not run |" in table
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cpu", "npu"])
 def test_ci_subset_the_flow_trains_tp2_on_each_backend(backend):
     tp2 = next(f for f in feature_matrix.FEATURES if f.name == "TP2")
-    outcome = feature_matrix.run_cell(tp2, "flow", backend, None, timeout=300)
+    outcome = feature_matrix.run_cell(tp2, backend, None, timeout=300)
     assert outcome.verdict == "trains", outcome.log[-3000:]
     assert f"kernels from the {'npu' if backend == 'npu' else 'torch'} provider" in outcome.log, outcome.log[-3000:]
