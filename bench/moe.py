@@ -204,7 +204,13 @@ def _flow_argv(iters: int, warmup: int) -> list[str]:
             "--train-iters", str(warmup + iters), "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
             "--log-interval", "1",
             "--eval-interval", "1000000", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-            *(["--bf16"] if _dtype() == torch.bfloat16 else [])]
+            *(["--bf16"] if _dtype() == torch.bfloat16 else []), *_cuda_fusions()]
+
+
+def _cuda_fusions() -> list[str]:
+    """On a GPU, megatron's fused token permutation, as Megatron-LM's MoE recipes and scripts/pretrain_qwen3_*
+    ask for it (megatron.training's default is off on every backend, kept as Megatron-LM's)."""
+    return ["--moe-permute-fusion"] if _device().type == "cuda" else []
 
 
 def _result(rate: float, clock) -> dict:
