@@ -54,6 +54,19 @@ def _train_save_and_resume(kind: str, tmp_path, tp: int = 1, env: dict | None = 
     return whole, logged_losses(whole), resumed, at
 
 
+@pytest.fixture(scope="module")
+def sharded_at_dp2(tmp_path_factory):
+    """kind -> ``_train_save_and_resume(kind)`` at DP2, run once for the tests of this module that read it."""
+    runs = {}
+
+    def run(kind: str):
+        if kind not in runs:
+            runs[kind] = _train_save_and_resume(kind, tmp_path_factory.mktemp(kind))
+        return runs[kind]
+
+    return run
+
+
 def _assert_reference_curve_and_exact_resume(losses: dict, resumed: dict, reference: dict) -> None:
     assert sorted(losses) == list(range(1, 11))
     assert max(abs(losses[i] - reference[i]) for i in losses) <= 1e-5, (losses, reference)
@@ -62,11 +75,11 @@ def _assert_reference_curve_and_exact_resume(losses: dict, resumed: dict, refere
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", SHARDED)
-def test_the_flow_trains_the_distributed_optimizer_curve_sharded_and_resumes_exactly(kind, reference, tmp_path):
+def test_the_flow_trains_the_distributed_optimizer_curve_sharded_and_resumes_exactly(kind, reference, sharded_at_dp2):
     """DP2: the reference curve within 1e-5 on half the parameter and gradient bytes (DP2 shards them, padded
     to megatron's alignment), the optimizer state the distributed optimizer holds; resumed at 7, iterations
     8-10 bit for bit."""
-    whole, losses, resumed, _ = _train_save_and_resume(kind, tmp_path)
+    whole, losses, resumed, _ = sharded_at_dp2(kind)
     _assert_reference_curve_and_exact_resume(losses, resumed, reference["losses"])
     ddp = reference["held"]
     for rank in whole:
@@ -207,27 +220,24 @@ def _refused_load(flags: list[str], load) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_the_other_format_is_refused_in_one_line(tmp_path):
+def test_a_checkpoint_of_the_other_format_is_refused_in_one_line(sharded_at_dp2):
     """megatron.training tells a checkpoint's format by its files and reads it with that format's state dict,
     which a run of the other format does not hold: a traceback from torch's reader on every rank (an
     AttributeError for Megatron-FSDP's fsdp_dtensor checkpoint in an FSDP2 torch_dist run, a KeyError the
     other way). One line naming the files, the run's --ckpt-format and the flags that read it, exit 2."""
-    formats = {"fsdp_dtensor": "megatron-fsdp", "torch_dist": "torch-fsdp2"}
-    for saved, kind in formats.items():
-        argv = [*BASE, *SHARDED[kind], "--train-iters", "3", "--exit-interval", "1", "--save", str(tmp_path / saved),
-                "--save-interval", "1"]
-        assert [status for status, _ in launch_script("scripts/pretrain_gpt.py", argv)] == [0, 0]
-    status, line = _refused_load(SHARDED["torch-fsdp2"], tmp_path / "fsdp_dtensor")
+    fsdp_dtensor, torch_dist = (sharded_at_dp2(kind)[3] for kind in ("megatron-fsdp", "torch-fsdp2"))
+    saved = f"iter_{SAVED_AT:07d}"
+    status, line = _refused_load(SHARDED["torch-fsdp2"], fsdp_dtensor)
     assert status == 2 and line == (
-        f"error: --load {tmp_path / 'fsdp_dtensor'}: iter_0000001 holds torch's DCP files without megatron's "
-        "metadata.json, an fsdp_dtensor or torch_dcp checkpoint, and this run reads --ckpt-format torch_dist: load "
-        "it with the flags that saved it (--use-megatron-fsdp --ckpt-format fsdp_dtensor (Megatron-FSDP's), or "
-        "--ckpt-format torch_dcp (FSDP2's))"), line
-    status, line = _refused_load(SHARDED["megatron-fsdp"], tmp_path / "torch_dist")
+        f"error: --load {fsdp_dtensor}: {saved} holds torch's DCP files without megatron's metadata.json, an "
+        "fsdp_dtensor or torch_dcp checkpoint, and this run reads --ckpt-format torch_dist: load it with the flags "
+        "that saved it (--use-megatron-fsdp --ckpt-format fsdp_dtensor (Megatron-FSDP's), or --ckpt-format "
+        "torch_dcp (FSDP2's))"), line
+    status, line = _refused_load(SHARDED["megatron-fsdp"], torch_dist)
     assert status == 2 and line == (
-        f"error: --load {tmp_path / 'torch_dist'}: iter_0000001 holds megatron's metadata.json, a torch_dist "
-        "checkpoint, and this run reads --ckpt-format fsdp_dtensor: load it with the flags that saved it "
-        "(--ckpt-format torch_dist, without --use-megatron-fsdp)"), line
+        f"error: --load {torch_dist}: {saved} holds megatron's metadata.json, a torch_dist checkpoint, and this run "
+        "reads --ckpt-format fsdp_dtensor: load it with the flags that saved it (--ckpt-format torch_dist, without "
+        "--use-megatron-fsdp)"), line
 
 
 FC1 = "module.decoder.layers.0.mlp.linear_fc1."
