@@ -125,10 +125,10 @@ def checkpoint_refusal(exc: BaseException, args) -> InputRefused | None:
 
 # megatron.training tells a checkpoint's format by its files (checkpointing._get_checkpoint_format) and reads
 # it with that format's state dict; the run's own is its --ckpt-format's, and Megatron-FSDP's (fsdp_dtensor) is
-# built unlike the others. Per format on disk: the --ckpt-format values that read it, what says so, the flags
+# built unlike the others. Per format on disk: the --ckpt-format values that read it, what says so, the flags.
+# (A legacy torch checkpoint, mp_rank_* files, is read by a run of any format: megatron's conversion path.)
 _ON_DISK = {"torch_dist": (("torch_dist",), "megatron's metadata.json, a torch_dist checkpoint",
                            "--ckpt-format torch_dist, without --use-megatron-fsdp"),
-            "torch": (("torch",), "mp_rank_* files, a torch checkpoint", "--ckpt-format torch"),
             "dcp": (("fsdp_dtensor", "torch_dcp"), "torch's DCP files without megatron's metadata.json, an "
                     "fsdp_dtensor or torch_dcp checkpoint", "--use-megatron-fsdp --ckpt-format fsdp_dtensor "
                     "(Megatron-FSDP's), or --ckpt-format torch_dcp (FSDP2's)")}
@@ -142,9 +142,7 @@ def _other_format(args) -> InputRefused | None:
         return None
     if (directory / "metadata.json").exists():
         on_disk = "torch_dist"
-    elif any(path.name.startswith("mp_rank_0") for path in directory.iterdir()):
-        on_disk = "torch"
-    elif (directory / ".metadata").exists():
+    elif (directory / ".metadata").exists() and not any(p.name.startswith("mp_rank_0") for p in directory.iterdir()):
         on_disk = "dcp"
     else:
         return None

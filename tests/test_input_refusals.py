@@ -299,3 +299,30 @@ def test_a_single_optimizer_handed_a_chained_state_is_that_refusal_and_other_key
                                                                  "optimizer"), args))
     assert checkpoint_refusal(raised_in("megatron.core.optimizer.distrib_optimizer", "param_groups"), args) is None
     assert checkpoint_refusal(raised_in("some.user.module", "optimizer"), args) is None
+
+
+@pytest.mark.parametrize("files, run_format, refused", [
+    (["metadata.json", "__0_0.distcp", ".metadata"], "fsdp_dtensor", "a torch_dist checkpoint"),
+    (["__0_0.distcp", ".metadata"], "torch_dist", "an fsdp_dtensor or torch_dcp checkpoint"),
+    (["metadata.json", ".metadata"], "torch_dist", None),
+    (["__0_0.distcp", ".metadata"], "fsdp_dtensor", None),
+    (["__0_0.distcp", ".metadata"], "torch_dcp", None),
+    (["mp_rank_00"], "torch_dist", None),  # a legacy checkpoint: megatron reads it in a run of any format
+])
+def test_a_failed_load_of_a_checkpoint_of_another_format_says_so(tmp_path, files, run_format, refused):
+    """Where a load fails, the iteration directory the tracker names is told by its files (as megatron.training
+    tells it) and compared with the run's --ckpt-format; a failure of any kind (here an AttributeError, as torch's
+    reader raises for Megatron-FSDP's checkpoint in a torch_dist run) becomes that line."""
+    from adapter.input_refusals import checkpoint_refusal
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
+    for name in files:
+        (tmp_path / "iter_0000007" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "iter_0000007" / name).touch()
+    args = types.SimpleNamespace(load=str(tmp_path), ckpt_format=run_format, ckpt_step=None)
+    said = checkpoint_refusal(AttributeError("'NoneType' object has no attribute 'items'"), args)
+    if refused is None:
+        assert said is None
+    else:
+        assert str(said).startswith(f"--load {tmp_path}: iter_0000007 holds ") and refused in str(said)
+        assert f"this run reads --ckpt-format {run_format}: load it with the flags that saved it" in str(said)
