@@ -93,8 +93,10 @@ _CHAINED = re.compile(r"[\"']chained_\d+\.[^\"']* from model not in state dict|f
 def checkpoint_refusal(exc: BaseException, args) -> InputRefused | None:
     """``refusal`` for a check of megatron.training's ``load_checkpoint`` itself (its frame: an error from the
     readers below keeps its traceback), with the ways out where megatron names none: an optimizer state
-    sharded for one (TP, PP) read at another. A tensor the checkpoint holds in another shape, or lacks
-    (megatron-core's loader), is one line naming it: the checkpoint is of another model."""
+    sharded for one (TP, PP) read at another. Any failure on a checkpoint whose files say another format than
+    the run's is that format's line; an optimizer state of another expert split (megatron-core's
+    ChainedOptimizer) is one line with the ways out; a tensor the checkpoint holds in another shape, or lacks
+    (megatron-core's loader, torch DCP's planner), is one line naming it: the checkpoint is of another model."""
     text = f"{type(exc).__name__}: {exc}"
     other_format = _other_format(args)
     if other_format is not None:

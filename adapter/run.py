@@ -140,8 +140,11 @@ def run_guarded(train, *args) -> int:
     try:
         train(*args)
     except RefusedSetting as exc:
+        rank_0 = os.environ.get("RANK", "0") == "0"
+        if rank_0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
         _leave_groups()
-        if os.environ.get("RANK", "0") == "0" or _left_standing_by_rank_0():
+        if not rank_0 and _left_standing_by_rank_0():
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return REFUSED
     except StepFailed as exc:  # a save that failed on this rank; the others stop with its line (shared_outcome)
