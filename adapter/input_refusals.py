@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from adapter import checkpoint_dir
 from adapter.corpus_check import check_corpus, check_files
 from adapter.cuda_only_features import RefusedSetting
 
@@ -142,9 +143,10 @@ def _other_format(args) -> InputRefused | None:
     directory = _checkpoint_directory(args)
     if directory is None:
         return None
-    if (directory / "metadata.json").exists():
+    if (directory / checkpoint_dir.METADATA_FILE).exists():
         on_disk = "torch_dist"
-    elif (directory / ".metadata").exists() and not any(p.name.startswith("mp_rank_0") for p in directory.iterdir()):
+    elif checkpoint_dir.is_complete(directory) and not any(p.name.startswith("mp_rank_0")
+                                                           for p in directory.iterdir()):
         on_disk = "dcp"
     else:
         return None
@@ -157,18 +159,18 @@ def _other_format(args) -> InputRefused | None:
 
 def _checkpoint_directory(args) -> Path | None:
     """The iteration directory megatron.training loads from ``args.load``: --ckpt-step's, or the tracker's (read
-    here without megatron's all-reduce over ranks: this runs where a load failed)."""
+    here without megatron's all-reduce over ranks, and without adapter.checkpoint_dir's checks, which raise:
+    this runs where a load failed, and that failure is the one to keep)."""
     if not getattr(args, "load", None):
         return None
     load, step = Path(args.load), getattr(args, "ckpt_step", None)
     if step is None:
-        tracker = load / "latest_checkpointed_iteration.txt"
-        text = tracker.read_text().strip() if tracker.is_file() else ""
-        if text == "release":
-            return load / "release" if (load / "release").is_dir() else None
-        step = int(text) if text.isdigit() else None
-    directory = load / f"iter_{step:07d}" if step is not None else None
-    return directory if directory is not None and directory.is_dir() else None
+        tracker = load / checkpoint_dir.TRACKER
+        step = tracker.read_text().strip() if tracker.is_file() else ""
+    if str(step) != checkpoint_dir.RELEASE and not str(step).isdigit():
+        return None
+    directory = load / checkpoint_dir.checkpoint_name(step)
+    return directory if directory.is_dir() else None
 
 
 def _single_optimizer_given_a_chained_state(exc: BaseException) -> bool:

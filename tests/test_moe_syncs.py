@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import traceback
-
 from pathlib import Path
 
 import pytest
