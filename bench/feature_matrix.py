@@ -96,8 +96,10 @@ FEATURES = (
     _f("QK layernorm", ["--qk-layernorm"]),
     _f("SGD", ["--optimizer", "sgd"]),
     _f("manual GC", ["--manual-gc"]),
+    # megatron.training saves asynchronously only through its persistent worker (without it validate_args
+    # turns --async-save off); mcore: megatron-core's own writer (the default, nvrx, is nvidia-resiliency-ext's)
     _f("async torch_dist save", ["--save", SAVE, "--save-interval", "2", "--async-save", "--ckpt-format",
-                                 "torch_dist"]),
+                                 "torch_dist", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]),
     _f("fully parallel save and load", ["--save", SAVE, "--save-interval", "2", "--ckpt-fully-parallel-save",
                                         "--ckpt-fully-parallel-load"]),
     _f("Transformer Engine impl (Megatron-LM's default)", ["--transformer-impl", "transformer_engine"],
