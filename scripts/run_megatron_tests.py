@@ -98,8 +98,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rendezvous_store():
+    """The store a set of ranks meets in, hosted here as torchrun's agent hosts it: listening from the
+    moment it is made, on a port the kernel gives, so no other socket can take the port between its choice
+    and the ranks' rendezvous (a port merely checked free was taken in between, once, on a loaded machine);
+    the ranks connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE``, rank_env). One per set: a fresh
+    set of ranks must not read the keys a killed one left."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def rank_env(rank: int, nproc: int, port: int, backend: str, deselect: Path, max_groups: int = 0) -> dict:
-    """torchrun's environment for one rank, on the chosen backend; the torch_npu double for npu."""
+    """torchrun's environment for one rank, on the chosen backend, meeting in the harness's store
+    (rendezvous_store); the torch_npu double for npu."""
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]
     if backend == "npu":
         pythonpath.insert(0, str(DOUBLES))
@@ -108,7 +120,8 @@ def rank_env(rank: int, nproc: int, port: int, backend: str, deselect: Path, max
     lazy = {"TORCH_GLOO_LAZY_INIT": os.environ.get("TORCH_GLOO_LAZY_INIT", "1")}
     return {**os.environ, **lazy, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1", "ADAPTER_BACKEND": backend, "PYTHONPATH": os.pathsep.join(pythonpath),
+            "TORCHELASTIC_USE_AGENT_STORE": str(True), "OMP_NUM_THREADS": "1", "ADAPTER_BACKEND": backend,
+            "PYTHONPATH": os.pathsep.join(pythonpath),
             "MEGATRON_TESTS_DESELECT": str(deselect), "MEGATRON_TESTS_MAX_GROUPS": str(max_groups),
             "PYTHONUNBUFFERED": "1"}
 
@@ -123,12 +136,13 @@ def pytest_args(args, attempt_dir: Path, rank: int) -> list[str]:
             *(f"--ignore={path}" for path in args.ignore), *args.paths]
 
 
-def launch(args, attempt_dir: Path, deselect: set[str]) -> list[subprocess.Popen]:
-    """Start the ranks of one attempt; each writes its events to ``attempt_dir/rank<R>.jsonl``."""
+def launch(args, attempt_dir: Path, deselect: set[str], port: int) -> list[subprocess.Popen]:
+    """Start the ranks of one attempt, meeting in the store at ``port``; each writes its events to
+    ``attempt_dir/rank<R>.jsonl``."""
     (attempt_dir / "basetemp").mkdir(parents=True)  # pytest makes each rank's --basetemp, not its parent
     deselect_file = attempt_dir / "deselect.txt"
     deselect_file.write_text("\n".join(sorted(deselect)))
-    port, procs = free_port(), []
+    procs = []
     for rank in range(args.nproc):
         log = open(attempt_dir / f"rank{rank}.log", "w")
         command = [sys.executable, str(RANK_SCRIPT), str(args.megatron_lm), str(attempt_dir / f"rank{rank}.jsonl"),
@@ -255,8 +269,10 @@ def unfinished(per_rank_running: list[set], killed: bool, statuses: list, where:
 def run_attempt(args, attempt_dir: Path, settled: dict[str, Outcome]) -> tuple[dict, set | None, bool]:
     """One set of ranks over the tests not yet settled: (newly settled outcomes, tests collected, None
     when no rank finished collecting; whether the set was killed or a rank died)."""
-    procs = launch(args, attempt_dir, set(settled))
+    store = rendezvous_store()
+    procs = launch(args, attempt_dir, set(settled), store.port)
     killed = watch(procs, attempt_dir, args.timeout)
+    del store  # the set's ranks are gone (watch reaps them all): nothing meets in it any more
     statuses = [p.returncode for p in procs]
     events = [read_events(attempt_dir / f"rank{r}.jsonl") for r in range(args.nproc)]
     per_rank = [rank_results(e) for e in events]
