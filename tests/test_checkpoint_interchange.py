@@ -4,8 +4,9 @@ Megatron-LM's own resume does (model, optimizer, LR schedule, RNG states, iterat
 
 Without the checkout: Megatron-LM's own ``load_checkpoint`` (megatron.training, in megatron-core's wheel from
 0.17) reads the flow's torch_dist and fsdp_dtensor checkpoints into a scrambled model, optimizer and scheduler,
-and gives back the state the flow saved. With the checkout (``megatron_lm``): both flows train 8 iterations
-saving at 4, and each resumes from the other's checkpoint on the curve of the run that saved it.
+and gives back the state the flow saved. With the checkout (``megatron_lm``, issue 50 point 7): the same flags
+through both entry points, dropout on, train to the same losses and save the same tensors to the bit, and each
+resumes from the other's checkpoint on that curve.
 """
 
 from __future__ import annotations
@@ -65,13 +66,27 @@ def test_megatron_lm_s_own_loader_reads_the_flow_s_checkpoint(sharding, tmp_path
         assert _same(by_megatron_lm["random"], live["random"])
 
 
-def _flow_and_megatron_lm_flags(vocab_size: int) -> list[str]:
-    """TINY with the NullTokenizer's --vocab-size of one flow: Megatron-LM 0.19's NullTokenizer holds
-    --vocab-size entries, the flow's one more (the end-of-document id after them), so the flow's 255 is
-    Megatron-LM's 256: the same vocabulary, end-of-document id and mock data."""
-    flags = list(TINY)
-    flags[flags.index("--vocab-size") + 1] = str(vocab_size)
-    return flags + ["--train-iters", "8"]
+# dropout on, as issue 50 point 7 asks: the two entry points must draw the same dropout masks too
+SAME_RUN = [*TINY, "--train-iters", "8", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+
+
+def _tensors(checkpoint) -> dict:
+    """Every tensor of a torch_dist or fsdp_dtensor checkpoint directory (torch DCP files), by key."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    saved = checkpoint.parent / f"{checkpoint.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, saved)
+    flat: dict = {}
+    stack = [("", torch.load(saved, weights_only=False))]
+    while stack:
+        prefix, value = stack.pop()
+        if isinstance(value, dict):
+            stack += [(f"{prefix}/{key}", item) for key, item in value.items()]
+        elif isinstance(value, (list, tuple)):  # a sharded object's (the RNG states'): pickled as saved
+            stack += [(f"{prefix}/{index}", item) for index, item in enumerate(value)]
+        elif torch.is_tensor(value):
+            flat[prefix] = value
+    return flat
 
 
 @pytest.mark.megatron_lm
@@ -79,16 +94,15 @@ def _flow_and_megatron_lm_flags(vocab_size: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", [[], ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], MOE_EP2],
                          ids=["torch_dist", "fsdp_dtensor", "moe-ep2"])
-def test_a_checkpoint_of_either_flow_resumes_in_the_other_on_the_curve_of_the_run_that_saved_it(sharding, tmp_path,
-                                                                                                 monkeypatch):
-    """Both flows train 8 iterations saving at 4, with the distributed optimizer (torch_dist; a MoE model at EP2
-    too) or Megatron-FSDP (fsdp_dtensor); their curves differ from the start: they initialize the weights
-    differently. Each resumes from the other's checkpoint of iteration 4 and continues the curve of the run that
-    saved it bit for bit, the flow restoring Megatron-LM's RNG states (Megatron-LM's log prints the mean of
-    iterations 5 and 6 at 6 after a restart, so 6 is left out where it resumes). Without dropout: from the same
-    state the two flows' dropout masks differ (hidden or attention dropout 0.1: the resumed curve 1e-3 to 2e-3
-    off at iteration 5, where each flow resumes its own checkpoint bit for bit); that Megatron-LM restores the
-    flow's RNG states is the test above."""
+def test_both_entry_points_train_to_the_bit_and_each_resumes_the_other_s_checkpoint_on_the_curve(
+        sharding, tmp_path, monkeypatch):
+    """The same flags, dropout on, through Megatron-LM's pretrain_gpt.py (``adapter.run``, the checkout) and
+    scripts/pretrain_gpt.py (the installed megatron-core), 8 iterations saving at 4 and 8, with the
+    distributed optimizer (torch_dist; a MoE model at EP2 too) or Megatron-FSDP (fsdp_dtensor): the same
+    losses, and at iteration 8 the same tensors to the bit (weights, Adam's moments, RNG states). Each
+    resumes the other's checkpoint of iteration 4 on that curve. megatron.training's log prints, as its second
+    line after a start, the mean of the iterations since the first (here 5 and 6), so a resumed run is
+    compared with the uninterrupted one at 5, 7 and 8, and with the other resumed run everywhere."""
     from tests.test_megatron_lm import _checkpoint_at, _losses, _run
 
     def flow(workdir, name: str, flags: list[str]) -> str:
@@ -98,20 +112,22 @@ def test_a_checkpoint_of_either_flow_resumes_in_the_other_on_the_curve_of_the_ru
             env.delenv("PYTHONPATH", raising=False)
             return _run(workdir, name, 2, flags, launch=(), script=ROOT / "scripts" / "pretrain_gpt.py")
 
-    mlm_flags, flow_flags = _flow_and_megatron_lm_flags(256) + sharding, _flow_and_megatron_lm_flags(255) + sharding
-    save = ["--save", "saved", "--save-interval", "4"]
+    flags, save = SAME_RUN + sharding, ["--save", "saved", "--save-interval", "4"]
     (tmp_path / "mlm").mkdir(), (tmp_path / "flow").mkdir()
-    mlm_full = _losses(_run(tmp_path / "mlm", "full", 2, mlm_flags + save))
-    flow_full = _losses(flow(tmp_path / "flow", "full", flow_flags + save))
+    mlm_full = _losses(_run(tmp_path / "mlm", "full", 2, flags + save))
+    flow_full = _losses(flow(tmp_path / "flow", "full", flags + save))
+    assert len(mlm_full) == 8 and flow_full == mlm_full
+    mlm_tensors, flow_tensors = (_tensors(tmp_path / run / "saved" / "iter_0000008") for run in ("mlm", "flow"))
+    assert sorted(flow_tensors) == sorted(mlm_tensors)
+    assert all(any(part in key for key in mlm_tensors) for part in ("exp_avg_sq", "rng_state", "weight"))
+    assert [key for key in mlm_tensors if not torch.equal(mlm_tensors[key], flow_tensors[key])] == []
     from_mlm = _checkpoint_at(tmp_path / "mlm" / "saved", 4, tmp_path / "from-mlm")
     from_flow = _checkpoint_at(tmp_path / "flow" / "saved", 4, tmp_path / "from-flow")
-    flow_log = flow(tmp_path, "flow-from-mlm", flow_flags + ["--load", str(from_mlm)])
-    flow_resumed = _losses(flow_log)
-    mlm_resumed = _losses(_run(tmp_path, "mlm-from-flow", 2, mlm_flags + ["--load", str(from_flow)]))
-    assert mlm_full[1] != flow_full[1]
-    assert f"loaded {from_mlm / 'iter_0000004'} (iteration 4)" in flow_log  # not "RNG states not restored"
-    assert flow_resumed == {i: mlm_full[i] for i in range(5, 9)}
-    assert {i: mlm_resumed[i] for i in (5, 7, 8)} == {i: flow_full[i] for i in (5, 7, 8)}
+    flow_log = flow(tmp_path, "flow-from-mlm", flags + ["--load", str(from_mlm)])
+    mlm_resumed = _losses(_run(tmp_path, "mlm-from-flow", 2, flags + ["--load", str(from_flow)]))
+    assert re.search(rf"successfully loaded checkpoint from {from_mlm} .*at iteration 4\b", flow_log)
+    assert _losses(flow_log) == mlm_resumed
+    assert {i: mlm_resumed[i] for i in (5, 7, 8)} == {i: mlm_full[i] for i in (5, 7, 8)}
 
 
 @pytest.mark.multiproc
