@@ -90,8 +90,11 @@ def _run(worker: str, nproc: int = 2) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
-# rank 0 says why, as the flow does; every rank exits 2 (a rank may be slower: the agent then stops it)
-REFUSING = ("import os, sys, time; time.sleep(0.2 * int(os.environ['RANK'])); "
+# rank 0 says why and exits 2, as the flow does; another refused rank waits for rank 0 to leave first, as
+# adapter.run's run_guarded does under torchrun (a fixed 0.2 s head start was not enough for a rank 0 started
+# late on a loaded machine: rank 1 exited first and the agent stopped rank 0 before it printed), and the agent
+# stops it then
+REFUSING = ("import os, sys, time; time.sleep(0 if os.environ['RANK'] == '0' else 60); "
             "print('error: --lr-warmup-iters 20: must be fewer than the 20 decay iterations', file=sys.stderr) "
             "if os.environ['RANK'] == '0' else None; sys.exit(2)")
 
