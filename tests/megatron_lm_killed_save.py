@@ -10,7 +10,12 @@ import signal
 import sys
 
 import adapter.run  # noqa: I001 - the adapter before megatron
-from megatron.core import dist_checkpointing
+from adapter.core_source import prefer_installed_megatron_core
+
+# as adapter.run's main does before anything imports megatron.core: the installed megatron-core, not the
+# checkout's source tree, which lacks the compiled dataset helpers
+prefer_installed_megatron_core()
+from megatron.core import dist_checkpointing  # noqa: E402
 
 if (os.environ.get("TORCHELASTIC_RESTART_COUNT"), os.environ.get("RANK")) == ("0", "1"):
     _save = dist_checkpointing.save

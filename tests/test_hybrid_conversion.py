@@ -128,10 +128,11 @@ def test_checkpoint_saved_at_tp2_ep2_converts_to_hf_with_the_same_logits(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name, layout", [("qwen3.5", ["--tp", "2"]), ("qwen3-next", ["--ep", "2"])])
-def test_verify_command_reports_within_1e_4(converted, name, layout):
-    hf_dir, _, _ = converted[name]
-    done = subprocess.run([sys.executable, "-m", "models.verify", "--hf-dir", str(hf_dir), *layout], cwd=ROOT,
+def test_verify_command_reports_within_1e_4(converted):
+    """The verify command on the MoE hybrid at EP2. Once: each hybrid's logits at TP2, PP2 and EP2 are the test
+    above's, and the command's own path the same for both (the suite ran it for qwen3.5 at TP2 too, 76 s)."""
+    hf_dir, _, _ = converted["qwen3-next"]
+    done = subprocess.run([sys.executable, "-m", "models.verify", "--hf-dir", str(hf_dir), "--ep", "2"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("max |logit difference|"))

@@ -98,11 +98,15 @@ def _stopped_at(output: str, save) -> int:
 @pytest.mark.parametrize("to_group", [False, True], ids=["to the launcher only", "to every process"])
 def test_sigterm_saves_the_iteration_every_rank_finished_the_job_exits_0_and_the_next_launch_resumes_exactly(
         flow_reference, tmp_path, to_group):
-    """megatron.training's --exit-signal-handler, with the adapter's line (patches/early_exit.py)."""
+    """megatron.training's --exit-signal-handler, with the adapter's line (patches/early_exit.py). The resume
+    runs once, after the signal to every process: the checkpoint of either delivery is megatron's same save at
+    the end of an iteration (the suite resumed both, 35-40 s more)."""
     status, output, _ = _preempted(tmp_path / "saved", to_group, ["scripts/launch.py"])
     iteration = _stopped_at(output, tmp_path / "saved")
     assert status == 0 and "Traceback" not in output, output[-4000:]
     assert "[launch] SIGTERM: every worker saved and exited 0" in output
+    if not to_group:
+        return
     resumed = _flow_losses(_flow_argv("--load", str(tmp_path / "saved"), "--exit-interval", str(iteration + 3)))
     # megatron.training's log line for the second iteration after a --load (0.19.2) shows the mean of the first
     # two iterations' losses (resumed at 5: 6.627220 = (6.653440 + 6.601000) / 2, the same gradient norm)
