@@ -6,7 +6,6 @@ The mechanism is tested without a Megatron-LM checkout (megatron-core's wheel sh
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import types
@@ -14,6 +13,7 @@ import types
 import pytest
 
 from adapter import backend, cuda_only_features
+from adapter.core_source import megatron_lm_checkout
 from adapter.cuda_only_features import FEATURES, CudaOnlyFeatureError
 from patches.cuda_only_features import refuse_arguments
 from tests.distributed import ROOT, _base_env, free_port
@@ -90,7 +90,6 @@ def test_under_adapter_run_the_refusal_is_rank_0s_one_line_and_status_2_on_every
     assert first.stderr.count("error:") == 1 and "validated" not in first.stdout + other.stdout
 
 
-MEGATRON_LM = os.environ.get("MEGATRON_LM", "/work/mlm")
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
         "--train-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
@@ -107,10 +106,9 @@ EXTRA = {"--tp-comm-overlap": ["--tensor-model-parallel-size", "2", "--sequence-
 def test_megatron_lms_pretrain_gpt_stops_in_one_line_through_the_launcher(tmp_path, flags, args, library,
                                                                           instead):
     """2 ranks of pretrain_gpt.py through scripts/launch.py: the refusal line, the launcher's line, status 2."""
-    pretrain_gpt = os.path.join(MEGATRON_LM, "pretrain_gpt.py")
-    if not os.path.isfile(pretrain_gpt):
-        pytest.skip(f"no Megatron-LM checkout at {MEGATRON_LM} (set MEGATRON_LM)")
-    env = _base_env({"ADAPTER_BACKEND": "cpu", "PYTHONPATH": MEGATRON_LM})
+    checkout = megatron_lm_checkout()  # the marker's: the checkout on PYTHONPATH, which the ranks inherit
+    pretrain_gpt = str(checkout / "pretrain_gpt.py")
+    env = _base_env({"ADAPTER_BACKEND": "cpu"})
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch.py"), "--nproc-per-node", "2",
                            "--master-port", str(free_port()), "-m", "adapter.run", pretrain_gpt, *TINY,
                            *EXTRA.get(flags[0], []), *flags], cwd=tmp_path, env=env, capture_output=True,
