@@ -2,7 +2,6 @@
 
 import contextlib
 
-
 from adapter import device as _device
 
 _RANDOM = "megatron.core.tensor_parallel.random"
