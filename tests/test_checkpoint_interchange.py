@@ -70,25 +70,6 @@ def test_megatron_lm_s_own_loader_reads_the_flow_s_checkpoint(sharding, tmp_path
 SAME_RUN = [*TINY, "--train-iters", "8", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
-def _tensors(checkpoint) -> dict:
-    """Every tensor of a torch_dist or fsdp_dtensor checkpoint directory (torch DCP files), by key."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    saved = checkpoint.parent / f"{checkpoint.parent.name}-{checkpoint.name}.pt"
-    dcp_to_torch_save(checkpoint, saved)
-    flat: dict = {}
-    stack = [("", torch.load(saved, weights_only=False))]
-    while stack:
-        prefix, value = stack.pop()
-        if isinstance(value, dict):
-            stack += [(f"{prefix}/{key}", item) for key, item in value.items()]
-        elif isinstance(value, (list, tuple)):  # a sharded object's (the RNG states'): pickled as saved
-            stack += [(f"{prefix}/{index}", item) for index, item in enumerate(value)]
-        elif torch.is_tensor(value):
-            flat[prefix] = value
-    return flat
-
-
 @pytest.mark.megatron_lm
 @pytest.mark.multiproc
 @pytest.mark.slow
@@ -104,6 +85,7 @@ def test_both_entry_points_train_to_the_bit_and_each_resumes_the_other_s_checkpo
     line after a start, the mean of the iterations since the first (here 5 and 6), so a resumed run is
     compared with the uninterrupted one at 5, 7 and 8, and with the other resumed run everywhere."""
     from tests.test_megatron_lm import _checkpoint_at, _losses, _run
+    from tests.test_one_flow_entry_points import _checkpoint, _same
 
     def flow(workdir, name: str, flags: list[str]) -> str:
         """The flow's run, on the installed megatron-core as users run it (the checkout on PYTHONPATH would
@@ -117,10 +99,12 @@ def test_both_entry_points_train_to_the_bit_and_each_resumes_the_other_s_checkpo
     mlm_full = _losses(_run(tmp_path / "mlm", "full", 2, flags + save))
     flow_full = _losses(flow(tmp_path / "flow", "full", flags + save))
     assert len(mlm_full) == 8 and flow_full == mlm_full
-    mlm_tensors, flow_tensors = (_tensors(tmp_path / run / "saved" / "iter_0000008") for run in ("mlm", "flow"))
-    assert sorted(flow_tensors) == sorted(mlm_tensors)
-    assert all(any(part in key for key in mlm_tensors) for part in ("exp_avg_sq", "rng_state", "weight"))
-    assert [key for key in mlm_tensors if not torch.equal(mlm_tensors[key], flow_tensors[key])] == []
+    mlm_saved, flow_saved = (_checkpoint(tmp_path / run / "saved", 8, tmp_path / f"{run}.pt")
+                             for run in ("mlm", "flow"))
+    tensors = sorted(key for key, value in mlm_saved.items() if torch.is_tensor(value))
+    assert tensors == sorted(key for key, value in flow_saved.items() if torch.is_tensor(value))
+    assert all(any(part in key for key in tensors) for part in ("exp_avg_sq", "rng_state", "weight"))
+    assert [key for key in tensors if not _same(mlm_saved[key], flow_saved[key])] == []
     from_mlm = _checkpoint_at(tmp_path / "mlm" / "saved", 4, tmp_path / "from-mlm")
     from_flow = _checkpoint_at(tmp_path / "flow" / "saved", 4, tmp_path / "from-flow")
     flow_log = flow(tmp_path, "flow-from-mlm", flags + ["--load", str(from_mlm)])
