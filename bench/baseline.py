@@ -5,6 +5,7 @@ the machine hits both alike."""
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -25,3 +26,9 @@ def worktree(rev: str):
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(folder)],
                        capture_output=True)
+
+
+def pythonpath(root: Path, env: dict) -> str:
+    """PYTHONPATH for a run of the tree at ``root``: its packages first, then ``env``'s own (a Megatron-LM
+    checkout, which megatron-core 0.16.1 needs)."""
+    return os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)

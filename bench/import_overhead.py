@@ -97,8 +97,7 @@ def run_child(kind: str, modules: list[str], roots: dict | None = None) -> tuple
     imports the adapter of that revision's tree (``roots``), without this tree's patch check."""
     kind, _, rev = kind.partition("@")
     root = (roots or {}).get(rev, ROOT)
-    env = {**os.environ, "ADAPTER_BACKEND": "cpu",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": baseline.pythonpath(root, os.environ)}
     code = _CHILD.format(first="import adapter\nimport megatron.core", check="") if rev else KINDS[kind]
     args = [sys.executable, "-c", code] + (modules if kind != "core" else [])
     proc = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True)

@@ -46,13 +46,11 @@ PHASES = re.compile(r"time from launch to the end of the first iteration: ([0-9.
 
 
 def _torchrun(args: list[str], env: dict, root: Path = ROOT) -> tuple[float, str]:
-    """(wall seconds, output) of a one-rank torchrun of ``args`` in ``root``, whose packages it imports first
-    (a Megatron-LM checkout on the caller's PYTHONPATH, which 0.16.1 needs, after them)."""
-    pythonpath = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    """(wall seconds, output) of a one-rank torchrun of ``args`` in ``root``, whose packages it imports first."""
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                           *args], cwd=root, env={**env, "PYTHONPATH": pythonpath}, capture_output=True, text=True,
-                          timeout=900)
+                           *args], cwd=root, env={**env, "PYTHONPATH": baseline.pythonpath(root, env)},
+                          capture_output=True, text=True, timeout=900)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(args[:2])} failed ({done.returncode}):\n"

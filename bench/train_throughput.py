@@ -118,7 +118,7 @@ def _child(kind: str, iters: int, warmup: int, roots: dict | None = None) -> flo
     kind, _, rev = kind.partition("@")
     root = (roots or {}).get(rev, ROOT)
     run, _, provider = kind.partition("/")
-    env = {**os.environ, "PYTHONPATH": str(root), "ADAPTER_BACKEND": "cpu",
+    env = {**os.environ, "PYTHONPATH": baseline.pythonpath(root, os.environ), "ADAPTER_BACKEND": "cpu",
            **({"ADAPTER_KERNELS": provider} if provider else {})}
     done = subprocess.run([sys.executable, str(root / "bench" / "train_throughput.py"), "--child", run, "--iters",
                            str(iters), "--warmup", str(warmup)], cwd=root, env=env, capture_output=True, text=True)
