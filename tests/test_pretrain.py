@@ -68,9 +68,6 @@ def test_the_launch_reports_its_time_to_the_first_iteration_by_phase(short_run):
 
 
 @pytest.mark.megatron_training
-@pytest.mark.xfail(strict=True, reason="megatron.training builds --tokenizer-type NullTokenizer through "
-                   "megatron.core.tokenizers, whose text libraries import transformers (the own loop's null "
-                   "tokenizer did not)")
 def test_a_mock_data_run_imports_no_hugging_face_code(short_run):
     assert "transformers" not in short_run["modules"]
 
