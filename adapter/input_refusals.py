@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from adapter import checkpoint_dir
+from adapter import checkpoint_dir, checkpoint_unpickling
 from adapter.corpus_check import check_corpus, check_files
 from adapter.cuda_only_features import RefusedSetting
 
@@ -91,13 +91,17 @@ _CHAINED = re.compile(r"[\"']chained_\d+\.[^\"']* from model not in state dict|f
                       r"\[[^\]]*'chained_\d+\.|Expected \d+ entries in state dict, but got \d+")
 
 
-def checkpoint_refusal(exc: BaseException, args) -> InputRefused | None:
-    """``refusal`` for a check of megatron.training's ``load_checkpoint`` itself (its frame: an error from the
+def checkpoint_refusal(exc: BaseException, args) -> InputRefused | checkpoint_unpickling.UntrustedCheckpoint | None:
+    """A pickle of the checkpoint that the allow-list refused (adapter.checkpoint_unpickling), wherever DCP
+    gathered it; ``refusal`` for a check of megatron.training's ``load_checkpoint`` itself (its frame: an error from the
     readers below keeps its traceback), with the ways out where megatron names none: an optimizer state
     sharded for one (TP, PP) read at another. Any failure on a checkpoint whose files say another format than
     the run's is that format's line; an optimizer state of another expert split (megatron-core's
     ChainedOptimizer) is one line with the ways out; a tensor the checkpoint holds in another shape, or lacks
     (megatron-core's loader, torch DCP's planner), is one line naming it: the checkpoint is of another model."""
+    untrusted = checkpoint_unpickling.untrusted_in(exc)
+    if untrusted is not None:
+        return untrusted
     text = f"{type(exc).__name__}: {exc}"
     other_format = _other_format(args)
     if other_format is not None:

@@ -49,6 +49,7 @@ from pathlib import Path
 import adapter  # the backend and the patch table, before anything imports megatron
 from adapter.core_source import (CHECKOUT, installed_megatron_core, megatron_lm_checkout, megatron_training,
                                  prefer_installed_megatron_core)
+from adapter import checkpoint_unpickling
 from adapter.cuda_only_features import RefusedSetting
 from adapter.shared_outcome import StepFailed
 
@@ -139,7 +140,13 @@ def run_guarded(train, *args) -> int:
     every rank; a failed save is its one line and 1. The project's own entry point ends the same way."""
     try:
         train(*args)
-    except RefusedSetting as exc:
+    except StepFailed as exc:  # a save that failed on this rank; the others stop with its line (shared_outcome)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except BaseException as caught:  # noqa: BLE001 - torch DCP gathers a rank's refusal into a BaseException
+        exc = caught if isinstance(caught, RefusedSetting) else checkpoint_unpickling.untrusted_in(caught)
+        if exc is None:
+            raise
         rank_0 = os.environ.get("RANK", "0") == "0"
         if rank_0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -147,9 +154,6 @@ def run_guarded(train, *args) -> int:
         if not rank_0 and _left_standing_by_rank_0():
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return REFUSED
-    except StepFailed as exc:  # a save that failed on this rank; the others stop with its line (shared_outcome)
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
     return 0
 
 

@@ -116,6 +116,9 @@ def main(argv=None) -> int:
 
     from pathlib import Path
 
+    from adapter import checkpoint_dir, checkpoint_unpickling
+
+    from . import torch_dist_io
     from .config import ModelConfigError
     from .conversion import ConversionError, hf_to_mcore, read_hf_config
 
@@ -123,6 +126,9 @@ def main(argv=None) -> int:
         return _rank_main(args)
     try:
         read_hf_config(Path(args.hf_dir))[1].check_layout(args.tp, args.pp, ep=args.ep)
+        if args.load is not None:  # its pickles read here first: a refused one is this process's one line
+            with checkpoint_unpickling.as_refusal():
+                torch_dist_io.tensors_metadata(checkpoint_dir.iteration_dir(Path(args.load)))
         with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
             if args.load is None:
                 hf_to_mcore(args.hf_dir, tmp, tp=args.tp, pp=args.pp, ep=args.ep, progress=False)
@@ -132,7 +138,8 @@ def main(argv=None) -> int:
                 return _rank_main(parser.parse_args(argv))
             return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                     f"--nproc_per_node={world}", "-m", "models.verify", *argv])
-    except (ConversionError, ModelConfigError) as exc:
+    except (ConversionError, ModelConfigError, checkpoint_unpickling.UntrustedCheckpoint,
+            checkpoint_dir.CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

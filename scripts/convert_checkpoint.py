@@ -26,6 +26,7 @@ os.environ.setdefault("ADAPTER_BACKEND", "cpu")  # conversion never needs an acc
 import adapter  # noqa: E402,F401  - before megatron
 
 import models  # noqa: E402
+from adapter import checkpoint_unpickling  # noqa: E402
 from models.config import ModelConfigError  # noqa: E402
 from models.conversion import DTYPES, ConversionError, hf_to_mcore, mcore_to_hf  # noqa: E402
 
@@ -53,6 +54,16 @@ def _size(text: str) -> int:
     return int(text)
 
 
+def _convert(args) -> Path:
+    if args.direction == "hf-to-mcore":
+        return hf_to_mcore(args.hf_dir, args.save_dir, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
+                           progress=not args.no_progress)
+    return mcore_to_hf(args.load_dir, args.save_dir, iteration=args.iteration,
+                       model=models.get(args.model) if args.model else None, dtype=args.dtype,
+                       max_shard_bytes=args.max_shard_size, tokenizer_dir=args.tokenizer_dir,
+                       progress=not args.no_progress)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="direction", required=True)
@@ -77,15 +88,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _release_freed_blocks_to_the_os()
     try:
-        if args.direction == "hf-to-mcore":
-            path = hf_to_mcore(args.hf_dir, args.save_dir, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
-                               progress=not args.no_progress)
-        else:
-            path = mcore_to_hf(args.load_dir, args.save_dir, iteration=args.iteration,
-                               model=models.get(args.model) if args.model else None, dtype=args.dtype,
-                               max_shard_bytes=args.max_shard_size, tokenizer_dir=args.tokenizer_dir,
-                               progress=not args.no_progress)
-    except (ConversionError, ModelConfigError) as exc:
+        with checkpoint_unpickling.as_refusal():
+            path = _convert(args)
+    except (ConversionError, ModelConfigError, checkpoint_unpickling.UntrustedCheckpoint) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {path}")
