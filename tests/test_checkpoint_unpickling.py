@@ -134,6 +134,19 @@ def test_the_flow_refuses_a_payload_in_one_line_and_runs_nothing(saved, tmp_path
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.megatron_training
+def test_a_genuine_legacy_checkpoint_resumes_through_the_allow_list(saved, tmp_path):
+    """The legacy format's files are looked at before megatron reads them (torch lists their globals); a
+    genuine one holds only what torch and megatron-core allow, and resumes."""
+    shutil.copytree(saved["torch"], tmp_path / "genuine")
+    (tmp_path / "genuine" / "latest_checkpointed_iteration.txt").write_text("2")
+    [(status, output)] = _launch([*FLOW, "--load", tmp_path / "genuine", "--ckpt-format", "torch"], 1)
+    assert status == 0 and "error:" not in output, output[-4000:]
+    assert " iteration        3/       4 |" in output and " iteration        4/       4 |" in output
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.megatron_training
 def test_the_flow_refuses_a_payload_in_common_pt_on_every_rank(tmp_path):
     """megatron-core 0.16.1's checkpoint (tests/upgrade_checkpoint.py) keeps its common state in common.pt."""
     copy = tmp_path / "tampered"
