@@ -172,12 +172,15 @@ def test_a_trusted_directory_loads_with_full_pickle_and_trains_on(saved, tmp_pat
 @pytest.mark.megatron_training
 @pytest.mark.parametrize("part", ["metadata", "common"])
 def test_conversion_to_hugging_face_refuses_a_payload_in_one_line(saved, tmp_path, part):
-    """The flow's checkpoint has no Hugging Face config beside it: the conversion reads its common state."""
+    """The flow's checkpoint has no Hugging Face config beside it: without --model the conversion reads its
+    common state first (a model config, were it the project's), with --model its ``.metadata`` first."""
     if part == "common":
         part = "common_state" if COMMON_IN_DCP else "common.pt"
     load, file, item = _tampered(saved["torch_dist"], tmp_path, part)
+    model = ["--model", "qwen2.5-tiny"] if part == "metadata" else []
     done = subprocess.run([sys.executable, "scripts/convert_checkpoint.py", "mcore-to-hf", "--load-dir", str(load),
-                           "--save-dir", str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--save-dir", str(tmp_path / "hf"), *model], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     _assert_refused([(done.returncode, done.stdout + done.stderr)], file, item)
     assert not (tmp_path / "flag").exists() and not (tmp_path / "hf").exists()
 

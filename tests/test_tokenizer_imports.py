@@ -21,8 +21,9 @@ BUILD = """
     import argparse, json, sys
     {imports}
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-    tokenizer = build_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=500,
-                                                   pad_vocab_size=False))
+    tokenizer = build_tokenizer(argparse.Namespace(  # what megatron.training's arguments give it, of 0.17-0.19
+        tokenizer_type="NullTokenizer", vocab_size=500, pad_vocab_size=True, make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=1, rank=0, metadata_path=None))
     built = dict(transformers="transformers" in sys.modules, vocab_size=tokenizer.vocab_size, eod=tokenizer.eod,
                  ids=tokenizer.tokenize("7 1 499"), text=tokenizer.detokenize([3, 4]),
                  library=type(tokenizer._tokenizer).__module__)
