@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-
 TRUSTED_ENV = "ADAPTER_TRUSTED_CHECKPOINTS"
 
 # What DCP's metadata is made of, besides its own dataclasses and enums (torch.distributed.checkpoint.*) and
@@ -144,7 +143,8 @@ def load_item(value: io.BytesIO, read_item):
     try:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise UntrustedCheckpoint(file, _refused_global(exc), item=read_item.dest_index.fqn) from None
+        raise UntrustedCheckpoint(file, _refused_global(exc), item=read_item.dest_index.fqn,
+                                  directory=None if _reading.get() else "<the checkpoint's directory>") from None
 
 
 def _refused_global(exc: BaseException) -> str:
@@ -169,7 +169,7 @@ def untrusted_in(exc: BaseException | None) -> UntrustedCheckpoint | None:
         seen.add(id(exc))
         if isinstance(exc, UntrustedCheckpoint):
             return exc
-        for failure in getattr(exc, "failures", {}).values() if hasattr(exc, "failures") else ():
+        for failure in getattr(exc, "failures", {}).values():  # rank -> (exception, its traceback summary)
             found = untrusted_in(failure[0] if isinstance(failure, tuple) else failure)
             if found is not None:
                 return found

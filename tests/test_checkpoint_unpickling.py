@@ -203,13 +203,22 @@ def test_models_verify_refuses_a_payload_in_one_line(tmp_path):
 @pytest.mark.megatron_lm
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_megatron_lms_pretrain_gpt_refuses_a_payload_in_one_line(saved, tmp_path):
+@pytest.mark.parametrize("part", ["metadata", "rng_state", "legacy", "common.pt"])
+def test_megatron_lms_pretrain_gpt_refuses_a_payload_in_one_line(saved, tmp_path, part):
     import models
     from adapter.core_source import megatron_lm_checkout
     from models.megatron_lm_args import flags
 
-    load, file, item = _tampered(saved["torch_dist"], tmp_path, "metadata")
-    script = [str(megatron_lm_checkout() / "pretrain_gpt.py"), *flags(models.get("qwen2.5-tiny"))]
-    ranks = _launch(["adapter.run", *script, *FLOW[2:], "--load", load], 1, script="-m")
+    script = ["adapter.run", str(megatron_lm_checkout() / "pretrain_gpt.py"), *flags(models.get("qwen2.5-tiny"))]
+    if part == "common.pt":  # megatron-core 0.16.1's checkpoint, 2 ranks at TP2 (tests/upgrade_checkpoint.py)
+        copy = tmp_path / "tampered"
+        shutil.copytree(upgrade_checkpoint.DATA, copy)
+        file, item = copy / f"iter_{upgrade_checkpoint.SAVED_AT:07d}" / "common.pt", None
+        tampered_checkpoints.in_torch_file(file, tmp_path / "flag")
+        ranks = _launch([*script, *upgrade_checkpoint.argv(2, "--load", str(copy))[2:]], 2, script="-m")
+    else:
+        load, file, item = _tampered(saved["torch" if part == "legacy" else "torch_dist"], tmp_path, part)
+        fmt = ["--ckpt-format", "torch"] if part == "legacy" else []
+        ranks = _launch([*script, *FLOW[2:], "--load", load, *fmt], 1, script="-m")
     _assert_refused(ranks, file, item)
     assert not (tmp_path / "flag").exists()
