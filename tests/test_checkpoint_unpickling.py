@@ -26,6 +26,7 @@ from packaging.version import Version
 from tests import tampered_checkpoints, upgrade_checkpoint
 from tests.distributed import ROOT, launch_script
 
+pytestmark = pytest.mark.multiproc  # the helper _launch starts ranks (tests/test_markers.py)
 DATA = ROOT / "tests" / "data"
 FLOW = ["--model", "qwen2.5-tiny", "--num-layers", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--seq-length", "32", "--lr", "1e-3", "--train-iters", "4", "--mock-data", "--eval-iters", "0",
@@ -121,7 +122,6 @@ def _tampered(saved_dir: Path, tmp_path: Path, part: str) -> tuple[Path, Path, s
 
 
 @pytest.mark.slow
-@pytest.mark.multiproc
 @pytest.mark.megatron_training
 @pytest.mark.parametrize("part", ["metadata", "rng_state", "legacy"])
 def test_the_flow_refuses_a_payload_in_one_line_and_runs_nothing(saved, tmp_path, part):
@@ -132,7 +132,6 @@ def test_the_flow_refuses_a_payload_in_one_line_and_runs_nothing(saved, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.multiproc
 @pytest.mark.megatron_training
 def test_a_genuine_legacy_checkpoint_resumes_through_the_allow_list(saved, tmp_path):
     """The legacy format's files are looked at before megatron reads them (torch lists their globals); a
@@ -145,7 +144,6 @@ def test_a_genuine_legacy_checkpoint_resumes_through_the_allow_list(saved, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.multiproc
 @pytest.mark.megatron_training
 def test_the_flow_refuses_a_payload_in_common_pt_on_every_rank(tmp_path):
     """megatron-core 0.16.1's checkpoint (tests/upgrade_checkpoint.py) keeps its common state in common.pt."""
@@ -158,7 +156,6 @@ def test_the_flow_refuses_a_payload_in_common_pt_on_every_rank(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.multiproc
 @pytest.mark.megatron_training
 def test_a_trusted_directory_loads_with_full_pickle_and_trains_on(saved, tmp_path):
     load, _, _ = _tampered(saved["torch_dist"], tmp_path, "metadata")
@@ -202,7 +199,6 @@ def test_models_verify_refuses_a_payload_in_one_line(tmp_path):
 
 @pytest.mark.megatron_lm
 @pytest.mark.slow
-@pytest.mark.multiproc
 @pytest.mark.parametrize("part", ["metadata", "rng_state", "legacy", "common.pt"])
 def test_megatron_lms_pretrain_gpt_refuses_a_payload_in_one_line(saved, tmp_path, part):
     import models
