@@ -1,5 +1,9 @@
 """Every pickle of a checkpoint read through an allow-list: torch DCP's ``.metadata`` and ``.distcp`` byte items,
-megatron-core's ``common.pt``, megatron.training's legacy format (adapter/checkpoint_unpickling.py)."""
+megatron-core's ``common.pt``, megatron.training's legacy format (adapter/checkpoint_unpickling.py).
+
+The torch DCP entries stand in for torch 2.13's code (``filesystem.FileSystemReader.read_metadata``'s one
+``pickle.load``, ``DefaultLoadPlanner.load_bytes``'s two stores); the registry's version guard is megatron-core's,
+so a torch that changes them is caught by tests/test_checkpoint_unpickling.py, not by the guard."""
 
 from __future__ import annotations
 
