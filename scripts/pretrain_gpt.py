@@ -42,6 +42,7 @@ def main() -> int:
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
     from flow import pretrain
 
+    compile_probe.wait()  # before megatron forks its data loader workers (adapter/compile_probe.py)
     return adapter_run.run_guarded(pretrain.run, sys.argv[1:])
 
 

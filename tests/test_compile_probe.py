@@ -48,3 +48,34 @@ def test_no_probe_off_the_cpu_backend(monkeypatch):
 
     monkeypatch.setattr(adapter, "current_backend", lambda: Backend("cuda"))
     assert compile_probe.probe_in_background() is None
+
+
+WAITED = r"""
+import json
+import threading
+import scripts.pretrain_gpt as entry
+
+seen = {}
+
+
+def recorded(train, *args):  # what megatron.training would start with: which threads are still running
+    seen["threads"] = [thread.name for thread in threading.enumerate()]
+    return 0
+
+
+entry.adapter_run.run_guarded = recorded
+entry.main()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.slow
+def test_the_probe_has_finished_before_megatron_training_starts_and_forks():
+    """A fork without exec (megatron's data loader workers) while the probe starts its subprocess would
+    inherit the pipe that subprocess is read by, and the lock inductor holds: the probe, and every process
+    compiling with that cache, would wait for good (adapter/compile_probe.py)."""
+    done = subprocess.run([sys.executable, "-c", WAITED], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    threads = json.loads(done.stdout.strip().splitlines()[-1])["threads"]
+    assert "inductor-vec-isa-probe" not in threads and "MainThread" in threads
