@@ -136,7 +136,11 @@ def _item_file(read_item) -> str:
 
 
 def load_item(value: io.BytesIO, read_item):
-    """A non-tensor item of a ``.distcp`` file, read weights-only (full pickle in a trusted directory)."""
+    """A non-tensor item of a ``.distcp`` file, read weights-only (full pickle in a trusted directory), with the
+    classes megatron-core registers for its state (its RNG and rerun states, arguments, enums) allowed also
+    where nothing imported megatron-core yet (a script converting a checkpoint with torch's DCP tools)."""
+    import megatron.core  # noqa: F401 - registers them (megatron/core/safe_globals.py), once per process
+
     file = _item_file(read_item)
     if trusted(file if _reading.get() is not None else None):
         return torch.load(value, weights_only=False)

@@ -10,6 +10,7 @@ reads through it."""
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import shutil
 import subprocess
@@ -129,6 +130,21 @@ def test_the_flow_refuses_a_payload_in_one_line_and_runs_nothing(saved, tmp_path
     fmt = ["--ckpt-format", "torch"] if part == "legacy" else []
     _assert_refused(_launch([*FLOW, "--load", load, *fmt], 1), file, item)
     assert not (tmp_path / "flag").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.megatron_training
+def test_a_genuine_checkpoint_reads_with_torch_dcp_tools_where_nothing_imported_megatron_core(saved, tmp_path):
+    """Its items hold megatron-core's classes (the rerun state machine's, the arguments'), which megatron-core
+    registers as torch safe globals when it is imported: a script of torch's DCP tools with the adapter alone
+    reads them too."""
+    script = ("import sys, adapter\nfrom torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+              "assert 'megatron.core' not in sys.modules\ndcp_to_torch_save(sys.argv[1], sys.argv[2])\n")
+    done = subprocess.run([sys.executable, "-c", script, str(saved["torch_dist"] / "iter_0000004"),
+                           str(tmp_path / "whole.pt")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "whole.pt").stat().st_size > 0
 
 
 @pytest.mark.slow
