@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 import adapter  # noqa: F401 - the patch table, before megatron
 from adapter import checkpoint_unpickling
 from adapter.checkpoint_unpickling import TRUSTED_ENV, MetadataUnpickler, UntrustedCheckpoint
 from adapter.registry import installed_megatron_core_version
-from packaging.version import Version
 from tests import tampered_checkpoints, upgrade_checkpoint
 from tests.distributed import ROOT, launch_script
 
