@@ -141,14 +141,14 @@ def load_item(value: io.BytesIO, read_item):
     where nothing imported megatron-core yet (a script converting a checkpoint with torch's DCP tools)."""
     import megatron.core  # noqa: F401 - registers them (megatron/core/safe_globals.py), once per process
 
-    file = _item_file(read_item)
-    if trusted(file if _reading.get() is not None else None):
+    file, located = _item_file(read_item), _reading.get() is not None
+    if trusted(file if located else None):
         return torch.load(value, weights_only=False)
     try:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UntrustedCheckpoint(file, _refused_global(exc), item=read_item.dest_index.fqn,
-                                  directory=None if _reading.get() else "<the checkpoint's directory>") from None
+                                  directory=None if located else "<the checkpoint's directory>") from None
 
 
 def _refused_global(exc: BaseException) -> str:
@@ -181,6 +181,9 @@ def untrusted_in(exc: BaseException | None) -> UntrustedCheckpoint | None:
     return None
 
 
+_TORCH_FULL_PICKLE_ENV = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+
+
 @contextlib.contextmanager
 def full_pickle_if_trusted(path):
     """Within: ``torch.load`` without ``weights_only`` reads with Python's full pickle, where ``path`` lies in a
@@ -194,8 +197,6 @@ def full_pickle_if_trusted(path):
     finally:
         os.environ.pop(_TORCH_FULL_PICKLE_ENV, None)
 
-
-_TORCH_FULL_PICKLE_ENV = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 
 
 def first_untrusted_file(checkpoint, directory) -> UntrustedCheckpoint | None:
