@@ -61,6 +61,10 @@ def _refused_at_import(check) -> None:
 
 _refused_at_import(current_backend)  # an unusable ADAPTER_BACKEND fails here, not inside megatron
 
+from adapter import compile_probe  # noqa: E402
+
+compile_probe.start_if_requested()  # beside the imports below, where the entry point asked for it
+
 from adapter import quiet_warnings  # noqa: E402
 
 quiet_warnings.install()  # before the patches import megatron: its import-time fallbacks are answered

@@ -85,17 +85,8 @@ def watch(timeout_minutes: float) -> None:
         return
     _queued[0] = backend.current().is_accelerator
     if adapter.registry.status("torch.distributed:destroy_process_group") != "applied":  # a watch after a stop
-        reason = "a collective a stalled rank never joins ends the job within the timeout, named (adapter.liveness)"
-        for name in COLLECTIVES:
-            if hasattr(torch.distributed, name):
-                adapter.registry.wrap(f"torch.distributed:{name}", functools.partial(_tracked, name=name),
-                                      reason=reason, versions=adapter.registry.supported)
-        for name in _P2P_FUNCTIONS:
-            adapter.registry.wrap(f"{_P2P}:{name}", _tracked_p2p, versions=adapter.registry.supported,
-                                  reason="a pipeline send or receive a stalled stage never answers ends the job, named")
-        adapter.registry.wrap("torch.distributed:destroy_process_group", _stopping_first,
-                              versions=adapter.registry.supported,
-                              reason="the hang watcher's watch ends before the groups it watches are torn down")
+        with adapter.registry.together():
+            _register_tracking()
     if not _at_exit:
         atexit.register(stop)
         _at_exit.append(stop)
@@ -103,6 +94,21 @@ def watch(timeout_minutes: float) -> None:
     _watcher.append(threading.Thread(target=_watch, args=(timeout_minutes, _stopped[0]), daemon=True,
                                      name="adapter-liveness"))
     _watcher[0].start()
+
+
+def _register_tracking() -> None:
+    """The registry entries of the watch: the collectives, the pipeline's sends and receives, the teardown."""
+    reason = "a collective a stalled rank never joins ends the job within the timeout, named (adapter.liveness)"
+    for name in COLLECTIVES:
+        if hasattr(torch.distributed, name):
+            adapter.registry.wrap(f"torch.distributed:{name}", functools.partial(_tracked, name=name),
+                                  reason=reason, versions=adapter.registry.supported)
+    for name in _P2P_FUNCTIONS:
+        adapter.registry.wrap(f"{_P2P}:{name}", _tracked_p2p, versions=adapter.registry.supported,
+                              reason="a pipeline send or receive a stalled stage never answers ends the job, named")
+    adapter.registry.wrap("torch.distributed:destroy_process_group", _stopping_first,
+                          versions=adapter.registry.supported,
+                          reason="the hang watcher's watch ends before the groups it watches are torn down")
 
 
 def watching() -> bool:

@@ -19,6 +19,7 @@ imported now or later, to a router (``adapter.cuda_routing``) on apply and takes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -113,6 +114,7 @@ class PatchRegistry:
         self._routed: dict[str, Patch] = {}
         self._active = False
         self._lock = threading.RLock()
+        self._held: set[str] | None = None  # inside ``together``: the modules whose patches wait for its end
         self.supported = ""  # the megatron-core releases of check_release: what a patch registered later declares
 
     # ------------------------------------------------------------------ registration
@@ -178,8 +180,26 @@ class PatchRegistry:
                 raise PatchError(f"{patch.target} is already patched: register before apply(), "
                                  "or revert() first")
             stack.append(patch)
-            if self._active:
+            if self._active and self._held is not None:
+                self._held.add(patch.module)
+            elif self._active:
                 self._hook(patch.module)
+
+    @contextlib.contextmanager
+    def together(self):
+        """Patches registered in this block on an active registry are applied together as it ends: one
+        search of megatron's modules for by-value copies of what they replace for each module they patch,
+        not one per patch (about 5 ms a search once megatron.training is imported: the hang watcher's 22
+        wraps took 0.1 s of its start one by one). The block holds the registry: it only registers."""
+        with self._lock:
+            outer, self._held = self._held, self._held if self._held is not None else set()
+            try:
+                yield
+            finally:
+                held, self._held = self._held, outer
+                if outer is None:
+                    for module in sorted(held):
+                        self._hook(module)
 
     # ------------------------------------------------------------------ inspection
     def patches(self) -> list[Patch]:
@@ -381,7 +401,8 @@ class PatchRegistry:
             if mod is None or mod_name.partition(".")[0] not in self._copy_scope:
                 continue
             namespace = getattr(mod, "__dict__", None)
-            if not namespace:
+            # most modules hold none: asked in C, not a Python loop per name (every module, every batch)
+            if not namespace or batch.keys().isdisjoint(map(id, list(namespace.values()))):
                 continue
             for key, value in list(namespace.items()):
                 hit = batch.get(id(value))

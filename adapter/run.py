@@ -49,7 +49,7 @@ from pathlib import Path
 import adapter  # the backend and the patch table, before anything imports megatron
 from adapter.core_source import (CHECKOUT, installed_megatron_core, megatron_lm_checkout, megatron_training,
                                  prefer_installed_megatron_core)
-from adapter import checkpoint_unpickling
+from adapter import checkpoint_unpickling, compile_probe
 from adapter.cuda_only_features import RefusedSetting
 from adapter.shared_outcome import StepFailed
 
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.status
     prefer_installed_megatron_core()
     hook_children()
+    compile_probe.probe_in_background()  # beside the script's imports (adapter/compile_probe.py)
     sys.argv = [str(script), *argv[1:]]
     sys.path[0] = str(script.parent)
     return run_refusing(script)

@@ -10,8 +10,8 @@ from . import (activation_offload, checkpoint_publish, checkpoint_unpickling, ch
                cuda_routing, dist_checkpointing_devices, distrib_optimizer_checkpoint, early_exit, earlier_checkpoints,
                expert_load, gated_delta_net, gloo_collectives, grad_accumulation, host_offload, input_refusals, kernels,
                latent_attention, liveness, megatron_lm, megatron_lm_recipes, moe, multi_tensor, multi_token_prediction,
-               nonfinite, one_rank_groups, parallel, recompute, rng, sharding, startup_clock, tensorboard_flush,
-               tokenizer_imports, torch_optimizers)
+               nonfinite, one_rank_groups, parallel, parser_docstrings, recompute, rng, sharding, startup_clock,
+               tensorboard_flush, tokenizer_imports, torch_optimizers)
 
 # The megatron-core releases the patch table supports; a patch whose behaviour differs between them says
 # so in its reason (README "Supported megatron-core releases").
@@ -27,5 +27,6 @@ def register_all(registry) -> None:
                     multi_token_prediction, gated_delta_net, megatron_lm, megatron_lm_recipes, recompute,
                     grad_accumulation, sharding, activation_offload, checkpoint_publish, earlier_checkpoints,
                     liveness, nonfinite, early_exit, startup_clock, expert_load, tensorboard_flush, tokenizer_imports,
+                    parser_docstrings,
                     input_refusals):  # last: its validate_args wrap is the outermost, to see every check fail
         concern.register(registry, CHECKED_MEGATRON_CORE)

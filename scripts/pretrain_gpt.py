@@ -22,12 +22,13 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a checkout
+os.environ["ADAPTER_COMPILE_PROBE"] = "1"  # inductor's CPU probe beside the imports (adapter/compile_probe.py)
 
 import adapter  # noqa: E402,F401  - before megatron
 from adapter import compile_probe  # noqa: E402
 from adapter import run as adapter_run  # noqa: E402
 
-compile_probe.probe_in_background()  # beside the imports still to come (adapter/compile_probe.py)
+compile_probe.start_if_requested()  # where the adapter was imported before this script, it starts here
 
 
 def main() -> int:
@@ -42,7 +43,6 @@ def main() -> int:
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
     from flow import pretrain
 
-    compile_probe.wait()  # before megatron forks its data loader workers (adapter/compile_probe.py)
     return adapter_run.run_guarded(pretrain.run, sys.argv[1:])
 
 

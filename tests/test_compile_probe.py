@@ -1,6 +1,7 @@
 """The launch asks torch.compile's CPU vector-ISA question in the background, so the first compiled call (the
 torch provider's RMSNorm, megatron's fused functions) finds the answer instead of probing inside the first
-iteration: scripts/pretrain_gpt.py starts adapter/compile_probe.py's probe before it imports the flow."""
+iteration: scripts/pretrain_gpt.py asks the adapter to start adapter/compile_probe.py's probe as soon as it
+knows the backend, and every fork waits for it."""
 
 from __future__ import annotations
 
@@ -50,32 +51,79 @@ def test_no_probe_off_the_cpu_backend(monkeypatch):
     assert compile_probe.probe_in_background() is None
 
 
-WAITED = r"""
+EARLY = r"""
 import json
+import os
+import sys
 import threading
-import scripts.pretrain_gpt as entry
+
+import torch._inductor.cpu_vec_isa as isa
 
 seen = {}
+probe = isa.valid_vec_isa_list
 
 
-def recorded(train, *args):  # what megatron.training would start with: which threads are still running
-    seen["threads"] = [thread.name for thread in threading.enumerate()]
-    return 0
+def recorded():  # what was imported when the probe began
+    seen["patch table imported"] = "patches" in sys.modules
+    return probe()
 
 
-entry.adapter_run.run_guarded = recorded
-entry.main()
+isa.valid_vec_isa_list = recorded
+import scripts.pretrain_gpt  # noqa: E402,F401 - the entry's imports, all a launch runs before its main
+
+for thread in threading.enumerate():
+    if thread is not threading.main_thread():
+        thread.join(timeout=120)
+seen["request left for children"] = os.environ.get("ADAPTER_COMPILE_PROBE")
 print(json.dumps(seen))
 """
 
 
 @pytest.mark.slow
-def test_the_probe_has_finished_before_megatron_training_starts_and_forks():
-    """A fork without exec (megatron's data loader workers) while the probe starts its subprocess would
-    inherit the pipe that subprocess is read by, and the lock inductor holds: the probe, and every process
-    compiling with that cache, would wait for good (adapter/compile_probe.py)."""
-    done = subprocess.run([sys.executable, "-c", WAITED], cwd=ROOT, capture_output=True, text=True, timeout=300,
+def test_the_entry_starts_the_probe_before_the_adapter_imports_its_patches_and_its_children_do_not_probe_again():
+    """The probe begins once the adapter knows the backend, before its patch table (2 s of imports: inductor's
+    compiler, the kernel providers) and the entry's megatron.training; the request is not inherited."""
+    done = subprocess.run([sys.executable, "-c", EARLY], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
-    threads = json.loads(done.stdout.strip().splitlines()[-1])["threads"]
-    assert "inductor-vec-isa-probe" not in threads and "MainThread" in threads
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"patch table imported": False, "request left for children": None}
+
+
+FORKED = r"""
+import json
+import os
+import time
+
+import torch._inductor.cpu_vec_isa as isa
+
+import adapter
+from adapter import compile_probe
+
+ended = []
+
+
+def slow_probe():  # a probe still starting its subprocesses when the process forks
+    time.sleep(2)
+    ended.append(time.monotonic())
+
+
+isa.valid_vec_isa_list = slow_probe
+compile_probe.probe_in_background()
+child = os.fork()  # megatron's data loader workers, multiprocessing's 'fork'
+if child == 0:
+    os._exit(0)
+forked = time.monotonic()
+os.waitpid(child, 0)
+print(json.dumps({"probe ended before the fork": bool(ended) and ended[0] <= forked}))
+"""
+
+
+def test_a_fork_waits_for_the_probe():
+    """A fork without exec while the probe starts its subprocess would inherit the pipe that subprocess is
+    read by, and the lock inductor holds: the probe, and every process compiling with that cache, would wait
+    for good (adapter/compile_probe.py). Every fork of the process waits for the probe first."""
+    done = subprocess.run([sys.executable, "-c", FORKED], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"probe ended before the fork": True}

@@ -225,6 +225,28 @@ def test_by_value_copies_are_rebound_on_apply_and_restored_on_revert(pkg, make_r
     assert user.call_f(2) == ("f", 2)
 
 
+def test_patches_registered_together_apply_as_the_block_ends_with_one_search_for_copies(pkg, make_registry):
+    """On an applied registry (the hang watcher's wraps, made as the run starts) each registration would search
+    every module for copies; ``together`` searches once for the module's patches, and they still reach the
+    copies and revert like any other."""
+    user, target = imp(pkg, "user"), imp(pkg, "target")
+    orig_f, orig_const = target.f, target.CONST
+    reg = make_registry()
+    reg.apply()
+    searches = []
+    search = reg._rebind_copies
+    reg._rebind_copies = lambda batch, *rest, **kw: (searches.append(len(batch)), search(batch, *rest, **kw))
+    new_const = ["patched"]
+    with reg.together():
+        reg.replace(f"{pkg}.target:f", new_f, reason="r", versions=CHECKED)
+        reg.replace(f"{pkg}.target:CONST", new_const, reason="r", versions=CHECKED)
+        assert target.f is orig_f and reg.status(f"{pkg}.target:f") == "pending"  # not before the block ends
+    assert searches == [2]
+    assert target.f is new_f and user.f is new_f and user.renamed_f is new_f and user.CONST is new_const
+    reg.revert()
+    assert target.f is orig_f and user.f is orig_f and user.CONST is orig_const
+
+
 def test_copy_rebinding_leaves_unrelated_equal_immutables_alone(pkg, make_registry):
     """Small ints and None are shared objects: an unrelated global that equals the target is no copy."""
     user = imp(pkg, "user")
