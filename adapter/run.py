@@ -17,6 +17,7 @@ In order:
    (megatron's persistent async checkpoint worker) re-import the entry script, which imports megatron.
 4. The script runs as ``__main__``, its directory first on sys.path, as ``python SCRIPT.py`` would, with its
    own CUDA spellings routed as megatron's are (``run_routed``).
+   On the cpu backend torch.compile's vector-ISA probe runs beside its imports (adapter/compile_probe.py).
 
 Problems found before the script starts are one line on stderr: exit status 2 for a missing script, 1
 for the environment (no megatron.training, a checkout whose megatron-core is not the installed one).

@@ -127,3 +127,29 @@ def test_a_fork_waits_for_the_probe():
                           env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"probe ended before the fork": True}
+
+
+SCRIPT = r"""
+import json
+import threading
+
+from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+for thread in threading.enumerate():
+    if thread is not threading.main_thread():
+        thread.join(timeout=120)
+asked = valid_vec_isa_list.cache_info()  # the script itself asks nothing
+print(json.dumps({"asked": [asked.misses, asked.currsize]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.megatron_training  # adapter.run needs megatron.training (0.17+ wheels, or a checkout)
+def test_adapter_run_probes_beside_the_script_it_runs(tmp_path):
+    """Megatron-LM's pretrain_gpt.py under ``python -m adapter.run`` gets the probe the project's entry gets."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "adapter.run", str(script)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"asked": [1, 1]}
