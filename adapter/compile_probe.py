@@ -11,15 +11,16 @@ Nothing is changed in what torch decides, only when it asks.
 The earlier the better: scripts/pretrain_gpt.py sets ``ADAPTER_COMPILE_PROBE=1`` before it imports the
 adapter, which starts the probe as soon as it knows the backend (before its patches and megatron-core are
 imported, 2 s and more of imports; started after them, the entry waited 0.6 s for it). The adapter removes
-the variable as it reads it, so the processes the program starts do not probe again. ``adapter.run`` starts
-it for the script it runs (Megatron-LM's pretrain_gpt.py) once the adapter is imported.
+the variable as it reads it, so the processes the program starts do not probe again.
 
-Every fork of this process waits for the probe first (``os.register_at_fork``): a process forked without
-exec while the probe starts its subprocess (megatron's data loader workers, multiprocessing's 'fork')
-inherits the pipe Python's subprocess reads to learn that the child has exec'd, and the lock file inductor
-holds around the probe. The probe then waits for good, and so does every process on the machine that
-compiles with the same cache (seen twice on 2026-12-07: a test's ranks, and with them the rest of the suite,
-hung). Python's subprocess starts its children without running those hooks, so the probe's own do not wait.
+The entry waits for the probe (``wait``) before megatron.training starts: a process forked without exec while
+the probe starts its subprocess (megatron's data loader workers, multiprocessing's 'fork') inherits the pipe
+Python's subprocess reads to learn that the child has exec'd, and the lock file inductor holds around the
+probe. The probe then waits for good, and so does every process on the machine that compiles with the same
+cache (seen twice on 2026-12-07: a test's ranks, and with them the rest of the suite, hung). The wait is not
+an ``os.register_at_fork`` hook: filelock (which inductor's lock is) closes its locks' release during a fork
+from its own hook, and a fork that waited there for the probe to release its lock never ended (seen the same
+day).
 """
 
 from __future__ import annotations
@@ -48,9 +49,6 @@ def probe_in_background() -> threading.Thread | None:
         from torch._inductor.cpu_vec_isa import valid_vec_isa_list
     except ImportError:
         return None
-    if not _waited_for_before_forks:
-        os.register_at_fork(before=wait)
-        _waited_for_before_forks.append(True)
     thread = threading.Thread(target=valid_vec_isa_list, name="inductor-vec-isa-probe", daemon=True)
     thread.start()
     _started.append(thread)
@@ -58,10 +56,9 @@ def probe_in_background() -> threading.Thread | None:
 
 
 _started: list[threading.Thread] = []
-_waited_for_before_forks: list[bool] = []
 
 
 def wait() -> None:
-    """Return once the probes started here have finished: before anything forks this process."""
+    """Return once the probe started here has finished: before anything forks this process."""
     while _started:
         _started.pop().join()

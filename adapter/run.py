@@ -17,7 +17,6 @@ In order:
    (megatron's persistent async checkpoint worker) re-import the entry script, which imports megatron.
 4. The script runs as ``__main__``, its directory first on sys.path, as ``python SCRIPT.py`` would, with its
    own CUDA spellings routed as megatron's are (``run_routed``).
-   On the cpu backend torch.compile's vector-ISA probe runs beside its imports (adapter/compile_probe.py).
 
 Problems found before the script starts are one line on stderr: exit status 2 for a missing script, 1
 for the environment (no megatron.training, a checkout whose megatron-core is not the installed one).
@@ -50,7 +49,7 @@ from pathlib import Path
 import adapter  # the backend and the patch table, before anything imports megatron
 from adapter.core_source import (CHECKOUT, installed_megatron_core, megatron_lm_checkout, megatron_training,
                                  prefer_installed_megatron_core)
-from adapter import checkpoint_unpickling, compile_probe
+from adapter import checkpoint_unpickling
 from adapter.cuda_only_features import RefusedSetting
 from adapter.shared_outcome import StepFailed
 
@@ -123,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
         return exc.status
     prefer_installed_megatron_core()
     hook_children()
-    compile_probe.probe_in_background()  # beside the script's imports (adapter/compile_probe.py)
     sys.argv = [str(script), *argv[1:]]
     sys.path[0] = str(script.parent)
     return run_refusing(script)

@@ -49,6 +49,7 @@ def main() -> int:
     from flow import pretrain
 
     _imported()
+    compile_probe.wait()  # before megatron forks its data loader workers (adapter/compile_probe.py)
     return adapter_run.run_guarded(pretrain.run, sys.argv[1:])
 
 
