@@ -110,6 +110,15 @@ def launch_script(script: str, argv: list[str], world_size: int = 2, env: dict |
     return [(p.returncode, output) for p, output in zip(procs, outputs)]
 
 
+def run_program(source: str, timeout: float = 300.0) -> dict:
+    """``python -c source`` in a fresh interpreter, in the repository on the cpu backend: the JSON object the
+    last line of its output holds (its exit status 0 asserted, with its stderr shown otherwise)."""
+    done = subprocess.run([sys.executable, "-c", source], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**_base_env(None), "ADAPTER_BACKEND": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _base_env(env: dict | None) -> dict:
     """What every rank of a call shares: the caller's environment, ``env``, one thread, and PYTHONPATH with
     the repo root first, a PYTHONPATH in ``env`` (e.g. the torch_npu double) after it, then the caller's

@@ -5,14 +5,9 @@ knows the backend, and waits for it before megatron.training starts."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.distributed import ROOT
+from tests.distributed import run_program
 
 PROGRAM = r"""
 import json
@@ -34,10 +29,7 @@ print(json.dumps({"probed": [probed.misses, probed.currsize], "misses after comp
 
 @pytest.mark.slow
 def test_the_first_compile_uses_the_answer_the_entry_probed_in_the_background():
-    done = subprocess.run([sys.executable, "-c", PROGRAM], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = run_program(PROGRAM)
     assert seen["probed"] == [1, 1]  # asked once, by the entry's thread
     assert seen["misses after compile"] == 1 and seen["hits after compile"] >= 1  # the compile reused it
 
@@ -83,10 +75,7 @@ print(json.dumps(seen))
 def test_the_entry_starts_the_probe_before_the_adapter_imports_its_patches_and_its_children_do_not_probe_again():
     """The probe begins once the adapter knows the backend, before its patch table (2 s of imports: inductor's
     compiler, the kernel providers) and the entry's megatron.training; the request is not inherited."""
-    done = subprocess.run([sys.executable, "-c", EARLY], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = run_program(EARLY)
     assert seen == {"patch table imported": False, "request left for children": None}
 
 
@@ -114,8 +103,5 @@ def test_the_probe_has_finished_before_megatron_training_starts_and_forks():
     """A fork without exec (megatron's data loader workers) while the probe starts its subprocess would
     inherit the pipe that subprocess is read by, and the lock inductor holds: the probe, and every process
     compiling with that cache, would wait for good (adapter/compile_probe.py)."""
-    done = subprocess.run([sys.executable, "-c", WAITED], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    threads = json.loads(done.stdout.strip().splitlines()[-1])["threads"]
+    threads = run_program(WAITED)["threads"]
     assert "inductor-vec-isa-probe" not in threads and "MainThread" in threads

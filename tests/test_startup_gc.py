@@ -4,14 +4,9 @@ while it grows, and none of the run walks the imported modules again."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.distributed import ROOT
+from tests.distributed import run_program
 
 PROGRAM = r"""
 import gc
@@ -40,10 +35,7 @@ runpy.run_path("scripts/pretrain_gpt.py", run_name="__main__")
 
 @pytest.mark.slow
 def test_the_entry_collects_nothing_during_its_imports_and_freezes_them_before_the_run():
-    done = subprocess.run([sys.executable, "-c", PROGRAM], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = run_program(PROGRAM)
     assert seen["enabled"] and seen["full_collections_during_imports"] == 0
     assert seen["frozen"] > 100_000  # the modules, classes and functions megatron and torch define
 
@@ -51,9 +43,6 @@ def test_the_entry_collects_nothing_during_its_imports_and_freezes_them_before_t
 def test_importing_the_entry_leaves_the_collector_as_it_was():
     """Tests and tools import the script's functions (tests/elastic_rank.py): only its run as a program
     changes the collector."""
-    program = ("import gc, adapter; frozen = gc.get_freeze_count(); import scripts.pretrain_gpt; "
-               "print(gc.isenabled(), gc.get_freeze_count() == frozen)")
-    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "ADAPTER_BACKEND": "cpu", "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["True", "True"]
+    program = ("import gc, json, adapter; frozen = gc.get_freeze_count(); import scripts.pretrain_gpt; "
+               "print(json.dumps([gc.isenabled(), gc.get_freeze_count() == frozen]))")
+    assert run_program(program) == [True, True]
