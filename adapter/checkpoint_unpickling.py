@@ -198,7 +198,6 @@ def full_pickle_if_trusted(path):
         os.environ.pop(_TORCH_FULL_PICKLE_ENV, None)
 
 
-
 def first_untrusted_file(checkpoint, directory) -> UntrustedCheckpoint | None:
     """The first ``torch.save`` file under ``checkpoint`` (a legacy checkpoint's ``mp_rank_*/*.pt``) naming a
     global torch's weights-only unpickler refuses, as its refusal naming ``directory`` to trust; torch lists

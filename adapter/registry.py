@@ -192,14 +192,16 @@ class PatchRegistry:
         not one per patch (about 5 ms a search once megatron.training is imported: the hang watcher's 22
         wraps took 0.1 s of its start one by one). The block holds the registry: it only registers."""
         with self._lock:
-            outer, self._held = self._held, self._held if self._held is not None else set()
+            if self._held is not None:  # inside another block: applied as the outermost ends
+                yield
+                return
+            self._held = set()
             try:
                 yield
             finally:
-                held, self._held = self._held, outer
-                if outer is None:
-                    for module in sorted(held):
-                        self._hook(module)
+                held, self._held = self._held, None
+                for module in sorted(held):
+                    self._hook(module)
 
     # ------------------------------------------------------------------ inspection
     def patches(self) -> list[Patch]:

@@ -110,11 +110,12 @@ def launch_script(script: str, argv: list[str], world_size: int = 2, env: dict |
     return [(p.returncode, output) for p, output in zip(procs, outputs)]
 
 
-def run_program(source: str, timeout: float = 300.0) -> dict:
-    """``python -c source`` in a fresh interpreter, in the repository on the cpu backend: the JSON object the
-    last line of its output holds (its exit status 0 asserted, with its stderr shown otherwise)."""
+def run_program(source: str, env: dict | None = None, timeout: float = 300.0) -> dict:
+    """``python -c source`` in a fresh interpreter, in the repository on the cpu backend unless ``env`` says
+    otherwise (``_base_env``): the JSON object the last line of its output holds (its exit status 0 asserted,
+    with its stderr shown otherwise)."""
     done = subprocess.run([sys.executable, "-c", source], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**_base_env(None), "ADAPTER_BACKEND": "cpu"})
+                          env=_base_env({"ADAPTER_BACKEND": "cpu", **(env or {})}))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -3,13 +3,12 @@ watching: each with its target and reason, reverted with the rest. (Hangs themse
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-from tests.distributed import ROOT, _base_env, hang_seconds
+from tests.distributed import ROOT, _base_env, hang_seconds, run_program
 
 _PROBE = """
 import json, torch, adapter
@@ -33,10 +32,7 @@ print(json.dumps({"untouched": untouched, "watching": watching, "reasons": reaso
 
 
 def test_the_tracking_is_registry_patches_applied_on_watch_and_reverted():
-    done = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=_base_env({"ADAPTER_BACKEND": "cpu"}),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = run_program(_PROBE)
     assert seen["untouched"] == "not for cpu"  # no patch of that target before the flow watches
     assert seen["watching"] == ["applied"] * 4
     assert len(seen["reasons"]) == 4 and all(r and "\n" not in r for r in seen["reasons"].values())

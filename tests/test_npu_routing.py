@@ -5,13 +5,7 @@ recording stand-in for the ``torch.npu`` device module, and imports the torch_np
 selection, the device layer and the patch table take their real npu paths.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.distributed import ROOT, run_program
 
 PROGRAM = r"""
 import json, sys, types
@@ -56,12 +50,8 @@ print(json.dumps({
 
 
 def test_megatron_cuda_calls_reach_torch_npu_and_groups_get_hccl_options():
-    env = {**os.environ, "ADAPTER_BACKEND": "npu", "HCCL_BUFFSIZE": "250",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "doubles"), str(ROOT)])}
-    done = subprocess.run([sys.executable, "-c", PROGRAM], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = run_program(PROGRAM, {"ADAPTER_BACKEND": "npu", "HCCL_BUFFSIZE": "250",
+                                 "PYTHONPATH": str(ROOT / "tests" / "doubles")})
     assert (seen["backend"], seen["dist_backend"]) == ("npu", "hccl")
     status = seen["status"]
     assert status["megatron.core.parallel_state:get_nccl_options"] == "applied"
